@@ -1,0 +1,498 @@
+"""Payload schemas, one pydantic model per message type, and the type registry.
+
+Public contracts (DESIGN §4) come first; internal service-to-service messages after.
+Every model forbids unknown fields so a typo is an error, not silently dropped data.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpusched.contracts.subjects import check_token
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ======================================================================================
+# Public: job control (control plane -> job) on <p>.jobs.<job_id>.control
+# ======================================================================================
+class StageName(StrEnum):
+    SNAPSHOTTED = "snapshotted"
+    PERSISTED = "persisted"
+
+
+class CheckpointRequested(Wire):
+    request_id: str
+    job_id: str
+    reason: str
+    deadline: datetime
+    stage_required: StageName
+
+
+class PreemptionCancelled(Wire):
+    request_id: str
+
+
+class Resume(Wire):
+    checkpoint_id: str
+    uri: str
+
+
+# ======================================================================================
+# Public: job events (job -> control plane) on <p>.jobs.<job_id>.events
+# ======================================================================================
+class JobStarted(Wire):
+    job_id: str
+    attempt: int = Field(ge=1)
+    resumed_from: str | None = None
+
+
+class JobProgress(Wire):
+    model_config = ConfigDict(frozen=True, extra="allow")  # frameworks add their metrics
+    step: int = Field(ge=0)
+
+
+class CheckpointConfirmed(Wire):
+    request_id: str | None
+    checkpoint_id: str = Field(min_length=1)
+    step: int = Field(ge=0)
+    uri: str = Field(min_length=1)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    stage: StageName
+
+
+class CheckpointFailed(Wire):
+    request_id: str | None
+    error: str
+
+
+class JobCompleted(Wire):
+    job_id: str
+    step: int | None = None
+
+
+class JobFailed(Wire):
+    job_id: str
+    error: str
+
+
+# ======================================================================================
+# Public: telemetry
+# ======================================================================================
+class GpuReading(Wire):
+    index: int = Field(ge=0)
+    util: float = Field(ge=0.0, le=1.0)
+    mem_used_mib: int = Field(ge=0)
+    mem_total_mib: int = Field(gt=0)
+    temp_c: float | None = None
+    power_w: float | None = None
+
+
+class GpuSample(Wire):
+    node: str
+    time: datetime
+    gpus: list[GpuReading]
+
+
+class InferenceStats(Wire):
+    service: str
+    time: datetime
+    window_s: float = Field(gt=0)
+    requests: int = Field(ge=0)
+    queue_depth: int = Field(ge=0)
+    p50_ms: float = Field(ge=0)
+    p99_ms: float = Field(ge=0)
+
+
+# ======================================================================================
+# Public: audit on <p>.audit.<action>, stored in the stream <PREFIX>_AUDIT
+# ======================================================================================
+class AuditRecord(Wire):
+    action: str
+    actor: str  # the service (or operator) that decided
+    entity: str  # what it is about: a job, allocation, saga, node ...
+    reason: str
+    details: dict[str, Any] = Field(default_factory=dict)
+    time: datetime
+
+
+# ======================================================================================
+# Public: jobs API (request/reply) on <p>.api.jobs.submit|get
+# ======================================================================================
+class JobKind(StrEnum):
+    TRAINING = "training"
+    INFERENCE = "inference"
+
+
+class PriorityClassName(StrEnum):
+    INFERENCE = "inference"
+    P0_URGENT = "p0-urgent"
+    P1_NORMAL = "p1-normal"
+    P2_OFFLINE = "p2-offline"
+
+
+class GpuRequest(Wire):
+    count: int = Field(ge=1, le=1024)
+    model: str | None = None
+    memory_gib: float | None = Field(default=None, gt=0)
+    milli: int | None = Field(default=None, ge=1, le=1000)
+
+
+class WorkloadSpec(Wire):
+    """What the cluster agent runs. The simulated cluster understands the `sim`
+    kind (a virtual training loop) and `process` (a real command, e.g. a PyTorch
+    script that uses the SDK)."""
+
+    kind: Literal["sim", "process"] = "sim"
+    steps: int = Field(default=1000, ge=1)
+    step_seconds: float = Field(default=1.0, gt=0)
+    checkpoint_seconds: float = Field(default=0.5, ge=0)
+    argv: list[str] = Field(default_factory=list)
+
+
+class SubmitJob(Wire):
+    name: str = Field(min_length=1, max_length=200)
+    team: str = Field(min_length=1, max_length=64)
+    kind: JobKind = JobKind.TRAINING
+    priority_class: PriorityClassName = PriorityClassName.P1_NORMAL
+    gpus: GpuRequest
+    gang: bool = True
+    checkpointable: bool = True
+    estimated_checkpoint_s: float | None = Field(default=None, ge=0)
+    idempotency_key: str | None = Field(default=None, max_length=200)
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+
+    @field_validator("team")
+    @classmethod
+    def _team_is_token(cls, v: str) -> str:
+        return check_token(v, "team")
+
+
+class ApiError(Wire):
+    code: str
+    message: str
+
+
+class SubmitReply(Wire):
+    ok: bool
+    job_id: str | None = None
+    error: ApiError | None = None
+
+
+class GetJob(Wire):
+    job_id: str
+
+
+class GpuRef(Wire):
+    node: str
+    index: int = Field(ge=0)
+    model: str
+
+
+class CheckpointInfo(Wire):
+    checkpoint_id: str
+    step: int
+    uri: str
+    bytes: int
+    sha256: str
+    stage: StageName
+
+
+class JobView(Wire):
+    job_id: str
+    name: str
+    team: str
+    kind: JobKind
+    priority_class: PriorityClassName
+    state: str
+    attempt: int
+    gpus: GpuRequest
+    allocation_id: str | None = None
+    allocated: list[GpuRef] = Field(default_factory=list)
+    resume_from: CheckpointInfo | None = None
+    latest_checkpoint: CheckpointInfo | None = None
+    submitted_at: datetime
+    warnings: list[str] = Field(default_factory=list)
+
+
+class GetReply(Wire):
+    ok: bool
+    job: JobView | None = None
+    error: ApiError | None = None
+
+
+# ======================================================================================
+# Internal: ingest -> everyone
+# ======================================================================================
+class PoolState(Wire):
+    pool: str
+    gpus: int = Field(ge=0)
+    util: float = Field(ge=0.0, le=1.0)
+    reporting_gpus: int = Field(ge=0)
+
+
+class ServiceState(Wire):
+    service: str
+    p99_ms: float
+    queue_depth: int
+    requests: int
+
+
+class PoolSnapshot(Wire):
+    time: datetime
+    window_s: float
+    pools: list[PoolState]
+    services: list[ServiceState] = Field(default_factory=list)
+
+
+# ======================================================================================
+# Internal: admission (ledger owner) events
+# ======================================================================================
+class AllocationGranted(Wire):
+    allocation_id: str
+    job_id: str
+    team: str
+    kind: JobKind
+    priority_class: PriorityClassName
+    pool: str
+    gpus: list[GpuRef]
+    granted_at: datetime
+    attempt: int = Field(ge=1)
+    checkpointable: bool
+    resume_from: CheckpointInfo | None = None
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    cpu_cores: Decimal = Decimal(0)
+    memory_gb: Decimal = Decimal(0)
+
+
+class AllocationReleased(Wire):
+    allocation_id: str
+    job_id: str
+    team: str
+    gpus: list[GpuRef]
+    released_at: datetime
+    reason: str
+
+
+class GpusReserved(Wire):
+    reservation_id: str
+    gpus: list[GpuRef]
+    pending: list[GpuRef] = Field(default_factory=list)  # still allocated, reserved on release
+
+
+class GpusReturned(Wire):
+    reservation_id: str
+    gpus: list[GpuRef]
+
+
+class InventoryNode(Wire):
+    name: str
+    pool: str
+    gpu_model: str
+    gpus: int
+
+
+class InventoryLoaded(Wire):
+    nodes: list[InventoryNode]
+
+
+# ======================================================================================
+# Internal: commands to admission (ledger) from preemption
+# ======================================================================================
+class ReserveForInference(Wire):
+    reservation_id: str
+    decision_id: str
+    allocation_ids: list[str] = Field(default_factory=list)
+    free_gpus: int = Field(default=0, ge=0)
+
+
+class ReturnToShared(Wire):
+    reservation_id: str
+    decision_id: str
+    gpus: int = Field(ge=1)
+
+
+# ======================================================================================
+# Internal: preemption -> checkpoint
+# ======================================================================================
+class EvictionRequested(Wire):
+    request_id: str
+    decision_id: str
+    allocation_id: str
+    job_id: str
+    team: str
+    priority_class: PriorityClassName
+    gpus: int = Field(ge=1)
+    started_at: datetime
+    reason: str
+
+
+class EvictionWithdrawn(Wire):
+    request_id: str
+    reason: str
+
+
+# ======================================================================================
+# Internal: checkpoint (saga) outcomes
+# ======================================================================================
+class EvictionCompleted(Wire):
+    saga_id: str
+    request_id: str
+    allocation_id: str
+    job_id: str
+    checkpoint: CheckpointInfo | None
+
+
+class EvictionAborted(Wire):
+    saga_id: str
+    request_id: str
+    allocation_id: str
+    job_id: str
+    reason: str
+
+
+class EvictionForced(Wire):
+    saga_id: str
+    request_id: str
+    allocation_id: str
+    job_id: str
+    lost_gpu_seconds: float = Field(ge=0)
+    checkpoint: CheckpointInfo | None
+
+
+class EvictionCancelled(Wire):
+    saga_id: str
+    request_id: str
+    allocation_id: str
+    job_id: str
+    reason: str
+
+
+# ======================================================================================
+# Internal: cluster agent commands and results
+# ======================================================================================
+class StartWorkload(Wire):
+    allocation_id: str
+    job_id: str
+    attempt: int
+    gpus: list[GpuRef]
+    workload: WorkloadSpec
+    resume_from: CheckpointInfo | None = None
+
+
+class EvictWorkload(Wire):
+    allocation_id: str
+    job_id: str
+    saga_id: str
+    forced: bool = False
+
+
+class StopReason(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EVICTED = "evicted"
+
+
+class WorkloadStarted(Wire):
+    allocation_id: str
+    job_id: str
+    node: str
+    started_at: datetime
+
+
+class WorkloadStopped(Wire):
+    allocation_id: str
+    job_id: str
+    reason: StopReason
+    stopped_at: datetime
+    exit_code: int | None = None
+    saga_id: str | None = None
+
+
+class EvictFailed(Wire):
+    allocation_id: str
+    job_id: str
+    saga_id: str
+    error: str
+
+
+# ======================================================================================
+# The registry: message type -> (version, schema). One place for every type name.
+# ======================================================================================
+class T(StrEnum):
+    """Message type names, so no service spells a type as a bare string."""
+
+    CHECKPOINT_REQUESTED = "checkpoint.requested"
+    PREEMPTION_CANCELLED = "preemption.cancelled"
+    RESUME = "resume"
+    JOB_STARTED = "job.started"
+    JOB_PROGRESS = "job.progress"
+    CHECKPOINT_CONFIRMED = "checkpoint.confirmed"
+    CHECKPOINT_FAILED = "checkpoint.failed"
+    JOB_COMPLETED = "job.completed"
+    JOB_FAILED = "job.failed"
+    GPU_SAMPLE = "gpu.sample"
+    INFERENCE_STATS = "inference.stats"
+    AUDIT = "audit.record"
+    POOL_SNAPSHOT = "pool.snapshot"
+    ALLOCATION_GRANTED = "allocation.granted"
+    ALLOCATION_RELEASED = "allocation.released"
+    GPUS_RESERVED = "gpus.reserved"
+    GPUS_RETURNED = "gpus.returned"
+    INVENTORY_LOADED = "inventory.loaded"
+    RESERVE_FOR_INFERENCE = "ledger.reserve"
+    RETURN_TO_SHARED = "ledger.return"
+    EVICTION_REQUESTED = "eviction.requested"
+    EVICTION_WITHDRAWN = "eviction.withdrawn"
+    EVICTION_COMPLETED = "eviction.completed"
+    EVICTION_ABORTED = "eviction.aborted"
+    EVICTION_FORCED = "eviction.forced"
+    EVICTION_CANCELLED = "eviction.cancelled"
+    START_WORKLOAD = "workload.start"
+    EVICT_WORKLOAD = "workload.evict"
+    WORKLOAD_STARTED = "workload.started"
+    WORKLOAD_STOPPED = "workload.stopped"
+    EVICT_FAILED = "workload.evict_failed"
+
+
+SCHEMAS: dict[str, type[Wire]] = {
+    T.CHECKPOINT_REQUESTED: CheckpointRequested,
+    T.PREEMPTION_CANCELLED: PreemptionCancelled,
+    T.RESUME: Resume,
+    T.JOB_STARTED: JobStarted,
+    T.JOB_PROGRESS: JobProgress,
+    T.CHECKPOINT_CONFIRMED: CheckpointConfirmed,
+    T.CHECKPOINT_FAILED: CheckpointFailed,
+    T.JOB_COMPLETED: JobCompleted,
+    T.JOB_FAILED: JobFailed,
+    T.GPU_SAMPLE: GpuSample,
+    T.INFERENCE_STATS: InferenceStats,
+    T.AUDIT: AuditRecord,
+    T.POOL_SNAPSHOT: PoolSnapshot,
+    T.ALLOCATION_GRANTED: AllocationGranted,
+    T.ALLOCATION_RELEASED: AllocationReleased,
+    T.GPUS_RESERVED: GpusReserved,
+    T.GPUS_RETURNED: GpusReturned,
+    T.INVENTORY_LOADED: InventoryLoaded,
+    T.RESERVE_FOR_INFERENCE: ReserveForInference,
+    T.RETURN_TO_SHARED: ReturnToShared,
+    T.EVICTION_REQUESTED: EvictionRequested,
+    T.EVICTION_WITHDRAWN: EvictionWithdrawn,
+    T.EVICTION_COMPLETED: EvictionCompleted,
+    T.EVICTION_ABORTED: EvictionAborted,
+    T.EVICTION_FORCED: EvictionForced,
+    T.EVICTION_CANCELLED: EvictionCancelled,
+    T.START_WORKLOAD: StartWorkload,
+    T.EVICT_WORKLOAD: EvictWorkload,
+    T.WORKLOAD_STARTED: WorkloadStarted,
+    T.WORKLOAD_STOPPED: WorkloadStopped,
+    T.EVICT_FAILED: EvictFailed,
+}

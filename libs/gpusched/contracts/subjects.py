@@ -1,0 +1,122 @@
+"""Subject names and JetStream streams, all under one configurable prefix.
+
+Public (stable) subjects: `<p>.jobs.<job_id>.control|events`, `<p>.telemetry.gpu.<node>`,
+`<p>.telemetry.inference.<service>`, `<p>.audit.<action>`, `<p>.api.jobs.submit|get`.
+Internal subjects (`<p>.evt.*`, `<p>.cmd.*`) may change between versions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_token(value: str, what: str) -> str:
+    """A value used as one subject token: no dots, spaces or wildcards."""
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(
+            f"{what} {value!r} cannot be used in a subject: "
+            "use 1-128 characters from letters, digits, '-' and '_'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float = 0.0  # 0 = keep until limits
+    duplicate_window_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "gpusched"
+
+    def __post_init__(self) -> None:
+        check_token(self.prefix, "subject prefix")
+
+    # --- public contracts -------------------------------------------------------------
+    def job_control(self, job_id: str) -> str:
+        return f"{self.prefix}.jobs.{check_token(job_id, 'job id')}.control"
+
+    def job_events(self, job_id: str) -> str:
+        return f"{self.prefix}.jobs.{check_token(job_id, 'job id')}.events"
+
+    @property
+    def all_job_events(self) -> str:
+        return f"{self.prefix}.jobs.*.events"
+
+    @property
+    def all_job_control(self) -> str:
+        return f"{self.prefix}.jobs.*.control"
+
+    def telemetry_gpu(self, node: str) -> str:
+        return f"{self.prefix}.telemetry.gpu.{check_token(node, 'node name')}"
+
+    def telemetry_inference(self, service: str) -> str:
+        return f"{self.prefix}.telemetry.inference.{check_token(service, 'service name')}"
+
+    @property
+    def all_gpu_telemetry(self) -> str:
+        return f"{self.prefix}.telemetry.gpu.*"
+
+    @property
+    def all_inference_telemetry(self) -> str:
+        return f"{self.prefix}.telemetry.inference.*"
+
+    def audit(self, action: str) -> str:
+        return f"{self.prefix}.audit.{action}"
+
+    @property
+    def api_jobs_submit(self) -> str:
+        return f"{self.prefix}.api.jobs.submit"
+
+    @property
+    def api_jobs_get(self) -> str:
+        return f"{self.prefix}.api.jobs.get"
+
+    # --- internal ---------------------------------------------------------------------
+    def event(self, service: str, message_type: str) -> str:
+        """A domain event a service announces, e.g. `<p>.evt.admission.allocation.granted`."""
+        return f"{self.prefix}.evt.{service}.{message_type}"
+
+    def events_of(self, service: str) -> str:
+        return f"{self.prefix}.evt.{service}.>"
+
+    def command(self, target: str, verb: str) -> str:
+        """A command addressed to one service, e.g. `<p>.cmd.agent.workload.start`."""
+        return f"{self.prefix}.cmd.{target}.{verb}"
+
+    def commands_for(self, target: str) -> str:
+        return f"{self.prefix}.cmd.{target}.>"
+
+    def dead_letter(self, service: str) -> str:
+        return f"{self.prefix}.dlq.{service}"
+
+    @property
+    def all_dead_letters(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    # --- streams ----------------------------------------------------------------------
+    def stream(self, suffix: str) -> str:
+        # The public audit stream is GPUSCHED_AUDIT with the default prefix.
+        return f"{self.prefix.upper().replace('-', '_')}_{suffix}"
+
+    @property
+    def audit_stream(self) -> str:
+        return self.stream("AUDIT")
+
+    def streams(self) -> tuple[StreamSpec, ...]:
+        p = self.prefix
+        day = 24 * 3600.0
+        return (
+            StreamSpec(self.stream("JOBS"), (f"{p}.jobs.>",), max_age_s=30 * day),
+            StreamSpec(self.stream("TELEMETRY"), (f"{p}.telemetry.>",), max_age_s=3600.0),
+            StreamSpec(self.stream("EVENTS"), (f"{p}.evt.>",), max_age_s=30 * day),
+            StreamSpec(self.stream("COMMANDS"), (f"{p}.cmd.>",), max_age_s=7 * day),
+            StreamSpec(self.audit_stream, (f"{p}.audit.>",), max_age_s=365 * day),
+            StreamSpec(self.stream("DLQ"), (f"{p}.dlq.>",), max_age_s=30 * day),
+        )

@@ -1,0 +1,187 @@
+"""The process runtime every service shares: connect, migrate, relay, consume, stop.
+
+A service's app module (its composition root) builds its handlers and registers
+them here; nothing connects at import time (STYLE 8). Shutdown is graceful: stop
+fetching, finish the message in hand, drain the outbox once more, close (STYLE 9).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra import bus, metrics, tracing
+from gpusched.infra.db import UnitOfWorkFactory, create_engine
+from gpusched.infra.leader import LeaderLease
+from gpusched.infra.migrations import migrate
+from gpusched.infra.outbox import OutboxRelay
+from gpusched.infra.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Tick = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class _Loop:
+    name: str
+    interval_s: float
+    tick: Tick
+    singleton: bool
+
+
+@dataclass
+class ServiceRuntime:
+    """Owns the connections of one service process and the tasks that use them."""
+
+    name: str
+    schema: str
+    settings: Settings
+    migrations: Path | None
+    subjects: Subjects = field(init=False)
+    nc: NatsClient = field(init=False)
+    js: JetStreamContext = field(init=False)
+    engine: AsyncEngine = field(init=False)
+    uow: UnitOfWorkFactory = field(init=False)
+    _consumers: list[bus.ConsumerRunner] = field(default_factory=list, init=False)
+    _endpoints: list[tuple[str, bus.RequestHandler]] = field(default_factory=list, init=False)
+    _loops: list[_Loop] = field(default_factory=list, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+    _relay: OutboxRelay | None = field(default=None, init=False)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    async def start(self) -> None:
+        """Connect, create streams and run migrations. Handlers register after this."""
+        nats_url, db_url = self.settings.require_urls()
+        self.subjects = Subjects(self.settings.subject_prefix)
+        tracing.setup(self.name, self.settings.trace_file)
+        self.nc = await bus.connect(nats_url, f"gpusched-{self.name}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js, self.subjects.streams())
+        self.engine = create_engine(db_url, pool_size=self.settings.db_pool_size)
+        if self.migrations is not None:
+            await migrate(self.engine, self.schema, self.migrations)
+        self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
+        self._dead_letters = bus.DeadLetters(self.js, self.subjects, self.name)
+        if self.migrations is not None:
+            self._relay = OutboxRelay(
+                self.js,
+                db_url,
+                self.schema,
+                service=self.name,
+                batch=self.settings.outbox.batch,
+                poll_interval_s=self.settings.outbox.poll_interval_s,
+            )
+
+    def consume(self, consumer: bus.Consumer) -> None:
+        b = self.settings.bus
+        self._consumers.append(
+            bus.ConsumerRunner(
+                self.js,
+                consumer,
+                self.uow,
+                self._dead_letters,
+                service=self.name,
+                max_deliver=b.max_deliver,
+                ack_wait_s=b.ack_wait_s,
+                fetch_batch=b.fetch_batch,
+                nak_delay_s=b.nak_delay_s,
+            )
+        )
+
+    def serve(self, subject: str, handler: bus.RequestHandler) -> None:
+        self._endpoints.append((subject, handler))
+
+    def every(self, name: str, interval_s: float, tick: Tick, *, singleton: bool = False) -> None:
+        """Run `tick` periodically; a singleton loop runs only on the elected leader."""
+        self._loops.append(_Loop(name, interval_s, tick, singleton))
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Run every registered part until `request_stop()` (or SIGTERM/SIGINT)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+        metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        metrics.UP.labels(self.name).set(1)
+        if self._relay is not None:
+            self._tasks.append(asyncio.create_task(self._relay.run(), name="outbox-relay"))
+        for runner in self._consumers:
+            self._tasks.append(asyncio.create_task(runner.run()))
+        for subject, handler in self._endpoints:
+            await bus.serve_requests(self.nc, subject, handler, service=self.name, queue=self.name)
+        for spec in self._loops:
+            self._tasks.append(asyncio.create_task(self._run_loop(spec), name=spec.name))
+        log.info("%s running", self.name)
+        stop_wait = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait([stop_wait, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        crashed = [t for t in done if t is not stop_wait and t.exception() is not None]
+        await self.close()
+        if crashed:
+            raise RuntimeError(f"{self.name}: a task failed") from crashed[0].exception()
+
+    async def _run_loop(self, spec: _Loop) -> None:
+        lease = LeaderLease(self.settings.require_urls()[1], f"{self.name}.{spec.name}")
+        try:
+            while not self._stop.is_set():
+                if not spec.singleton or await lease.try_acquire():
+                    try:
+                        await spec.tick()
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:
+                        # A failing tick is retried next interval; state is in the DB.
+                        log.exception("%s tick failed", spec.name)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), spec.interval_s)
+        finally:
+            await lease.release()
+
+    async def close(self) -> None:
+        self._stop.set()
+        for runner in self._consumers:
+            runner.stop()
+        if self._relay is not None:
+            self._relay.stop()
+        # Consumers finish the message in hand; the relay drains what is committed.
+        _, pending = await asyncio.wait(self._tasks, timeout=5) if self._tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        await self.engine.dispose()
+        metrics.UP.labels(self.name).set(0)
+        log.info("%s stopped", self.name)
+
+
+def run_service(
+    runtime: ServiceRuntime, build: Callable[[ServiceRuntime], Awaitable[None]]
+) -> None:
+    """Entry point of a service process."""
+    logging.basicConfig(
+        level=runtime.settings.log_level,
+        format=f"%(asctime)s {runtime.name} %(levelname)s %(name)s: %(message)s",
+    )
+
+    async def main() -> None:
+        await runtime.start()
+        await build(runtime)
+        await runtime.run()
+
+    asyncio.run(main())

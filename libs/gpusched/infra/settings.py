@@ -1,0 +1,113 @@
+"""The one typed settings object, read once from GPUSCHED_* environment variables.
+
+Nested sections use a double underscore: GPUSCHED_PREEMPTION__EXPAND_ABOVE=0.85.
+Defaults are the field numbers of DESIGN §7.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BusSettings(Section):
+    max_deliver: int = Field(default=5, ge=1, description="deliveries before dead-lettering")
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    fetch_batch: int = Field(default=64, ge=1)
+    nak_delay_s: float = Field(default=0.5, ge=0)
+
+
+class OutboxSettings(Section):
+    batch: int = Field(default=1000, ge=1)
+    poll_interval_s: float = Field(default=0.5, gt=0, description="fallback when NOTIFY is missed")
+    max_pending_acks: int = Field(default=4000, ge=1)
+
+
+class AdmissionSettings(Section):
+    inventory_path: Path = Path("deploy/inventory/demo.yaml")
+    schedule_interval_s: float = Field(default=1.0, gt=0)
+
+
+class IngestSettings(Section):
+    window_s: float = Field(default=30.0, gt=0)
+    snapshot_interval_s: float = Field(default=2.0, gt=0)
+    stale_after_s: float = Field(default=60.0, gt=0)
+
+
+class PreemptionSettings(Section):
+    expand_above: float = Field(default=0.80, gt=0, le=1)
+    target: float = Field(default=0.70, gt=0, le=1)
+    shrink_below: float = Field(default=0.40, ge=0, le=1)
+    shared_below: float = Field(default=0.60, ge=0, le=1)
+    cooldown_s: float = Field(default=300.0, ge=0)
+
+
+class CheckpointSettings(Section):
+    grace_s: float = Field(default=300.0, gt=0, description="deadline for checkpoint.confirmed")
+    sweep_interval_s: float = Field(default=1.0, gt=0)
+    # Per priority class: which stage eviction waits for, and what the deadline does.
+    stage_required: dict[str, str] = Field(
+        default_factory=lambda: {
+            "p0-urgent": "persisted",
+            "p1-normal": "persisted",
+            "p2-offline": "snapshotted",
+        }
+    )
+    deadline_policy: dict[str, str] = Field(
+        default_factory=lambda: {"p0-urgent": "abort", "p1-normal": "abort", "p2-offline": "force"}
+    )
+
+
+class BillingSettings(Section):
+    price_book_path: Path = Path("deploy/prices.yaml")
+    currency: str = "USD"
+    default_gpu_hour: Decimal | None = None
+
+
+class AgentSettings(Section):
+    telemetry_interval_s: float = Field(default=1.0, gt=0)
+    time_scale: float = Field(default=1.0, gt=0, description="virtual seconds per real second")
+    workdir: Path = Path(".gpusched/agent")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GPUSCHED_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    nats_url: str | None = Field(default=None, description="external NATS; else embedded")
+    database_url: str | None = Field(
+        default=None, description="external PostgreSQL (postgresql+asyncpg://...); else embedded"
+    )
+    subject_prefix: str = "gpusched"
+    data_dir: Path = Path(".gpusched")
+    traces_dir: Path = Path("../shared/traces")
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="0 = no /metrics endpoint")
+    trace_file: Path | None = Field(default=None, description="write spans as JSON lines here")
+    log_level: str = "INFO"
+    db_pool_size: int = Field(default=5, ge=1)
+
+    bus: BusSettings = BusSettings()
+    outbox: OutboxSettings = OutboxSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    ingest: IngestSettings = IngestSettings()
+    preemption: PreemptionSettings = PreemptionSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    billing: BillingSettings = BillingSettings()
+    agent: AgentSettings = AgentSettings()
+
+    def require_urls(self) -> tuple[str, str]:
+        if not self.nats_url or not self.database_url:
+            raise RuntimeError(
+                "GPUSCHED_NATS_URL and GPUSCHED_DATABASE_URL must be set for a service "
+                "(`gpusched up` sets them for the embedded servers)"
+            )
+        return self.nats_url, self.database_url
