@@ -19,10 +19,10 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
-from nats.errors import TimeoutError as NatsTimeout
 from pydantic import BaseModel
 
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
@@ -36,6 +36,9 @@ from gpusched.infra.errors import Rejected
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Envelope, UnitOfWork], Awaitable[None]]
+# A handler at the edge that keeps no state of its own (the cluster agent): no unit of
+# work, no inbox; it must be idempotent by itself.
+EdgeHandler = Callable[[Envelope], Awaitable[None]]
 RequestHandler = Callable[[bytes], Awaitable[BaseModel]]
 
 
@@ -78,8 +81,8 @@ class Consumer:
     durable: str
     stream: str
     subjects: Sequence[str]
-    handlers: Mapping[str, Handler]
-    ignore_types: frozenset[str] = field(default_factory=frozenset)
+    handlers: Mapping[str, Handler] = field(default_factory=dict)
+    edge_handlers: Mapping[str, EdgeHandler] = field(default_factory=dict)
 
 
 class DeadLetters:
@@ -121,7 +124,7 @@ class ConsumerRunner:
         self,
         js: JetStreamContext,
         consumer: Consumer,
-        uow_factory: UnitOfWorkFactory,
+        uow_factory: UnitOfWorkFactory | None,
         dead_letters: DeadLetters,
         *,
         service: str,
@@ -192,7 +195,8 @@ class ConsumerRunner:
             envelope = Envelope.from_bytes(msg.data)
             message_type = envelope.type
             handler = self._c.handlers.get(envelope.type)
-            if handler is None:
+            edge_handler = self._c.edge_handlers.get(envelope.type)
+            if handler is None and edge_handler is None:
                 # A type this consumer does not apply (e.g. a newer producer's type).
                 outcome = "ignored"
                 await msg.ack()
@@ -205,12 +209,16 @@ class ConsumerRunner:
                     "gpusched.correlation": str(envelope.correlation_id),
                 },
             ):
-                async with self._uow() as uow:
-                    if await uow.claim(envelope.id, consumer):
-                        await handler(envelope, uow)
-                        await uow.commit()
-                    else:
-                        outcome = "duplicate"
+                if edge_handler is not None:
+                    await edge_handler(envelope)
+                else:
+                    assert handler is not None and self._uow is not None
+                    async with self._uow() as uow:
+                        if await uow.claim(envelope.id, consumer):
+                            await handler(envelope, uow)
+                            await uow.commit()
+                        else:
+                            outcome = "duplicate"
             await msg.ack()
         except MalformedMessage as exc:
             outcome = "dead_lettered"

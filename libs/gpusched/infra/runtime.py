@@ -52,7 +52,7 @@ class ServiceRuntime:
     nc: NatsClient = field(init=False)
     js: JetStreamContext = field(init=False)
     engine: AsyncEngine = field(init=False)
-    uow: UnitOfWorkFactory = field(init=False)
+    uow: UnitOfWorkFactory = field(init=False)  # only for services with a schema
     _consumers: list[bus.ConsumerRunner] = field(default_factory=list, init=False)
     _endpoints: list[tuple[str, bus.RequestHandler]] = field(default_factory=list, init=False)
     _loops: list[_Loop] = field(default_factory=list, init=False)
@@ -71,7 +71,7 @@ class ServiceRuntime:
         self.engine = create_engine(db_url, pool_size=self.settings.db_pool_size)
         if self.migrations is not None:
             await migrate(self.engine, self.schema, self.migrations)
-        self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
+            self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
         self._dead_letters = bus.DeadLetters(self.js, self.subjects, self.name)
         if self.migrations is not None:
             self._relay = OutboxRelay(
@@ -89,7 +89,7 @@ class ServiceRuntime:
             bus.ConsumerRunner(
                 self.js,
                 consumer,
-                self.uow,
+                self.uow if self.migrations is not None else None,
                 self._dead_letters,
                 service=self.name,
                 max_deliver=b.max_deliver,
