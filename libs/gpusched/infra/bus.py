@@ -159,7 +159,8 @@ class ConsumerRunner:
         while not self._stopping:
             try:
                 msgs = await sub.fetch(self._batch, timeout=1.0)
-            except NatsTimeout:
+            except (NatsTimeout, TimeoutError):
+                # An idle fetch: nothing to do in the last second.
                 continue
             except asyncio.CancelledError:
                 raise

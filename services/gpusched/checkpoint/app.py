@@ -1,0 +1,78 @@
+"""Composition root of the checkpoint service: the eviction saga (DESIGN §3.4)."""
+
+from __future__ import annotations
+
+from gpusched.checkpoint.api import get_saga_subject, latest_checkpoint_subject
+from gpusched.checkpoint.handlers import SagaHandlers
+from gpusched.checkpoint.policy import EvictionPolicies
+from gpusched.checkpoint.queries import Queries
+from gpusched.contracts.messages import T
+from gpusched.infra import bus
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime, run_service
+from gpusched.infra.settings import Settings
+
+NAME = "checkpoint"
+SCHEMA = "checkpoint"
+SWEEP_BATCH = 100
+SWEEP_BATCHES_PER_TICK = 10
+
+
+async def build(rt: ServiceRuntime) -> None:
+    handlers = SagaHandlers(EvictionPolicies.from_settings(rt.settings.checkpoint))
+    s = rt.subjects
+    rt.consume(
+        bus.Consumer(
+            durable="checkpoint-commands",
+            stream=s.stream("COMMANDS"),
+            subjects=[s.commands_for(NAME)],
+            handlers={
+                T.EVICTION_REQUESTED: handlers.on_eviction_requested,
+                T.EVICTION_WITHDRAWN: handlers.on_eviction_withdrawn,
+            },
+        )
+    )
+    rt.consume(
+        bus.Consumer(
+            durable="checkpoint-job-events",
+            stream=s.stream("JOBS"),
+            subjects=[s.all_job_events],
+            handlers={
+                T.CHECKPOINT_CONFIRMED: handlers.on_checkpoint_confirmed,
+                T.CHECKPOINT_FAILED: handlers.on_checkpoint_failed,
+                T.JOB_COMPLETED: handlers.on_job_completed,
+                T.JOB_FAILED: handlers.on_job_failed,
+            },
+        )
+    )
+    rt.consume(
+        bus.Consumer(
+            durable="checkpoint-agent-events",
+            stream=s.stream("EVENTS"),
+            subjects=[s.events_of("agent")],
+            handlers={
+                T.WORKLOAD_STOPPED: handlers.on_workload_stopped,
+                T.EVICT_FAILED: handlers.on_evict_failed,
+            },
+        )
+    )
+    queries = Queries(rt.uow)
+    rt.serve(latest_checkpoint_subject(s), queries.latest_checkpoint)
+    rt.serve(get_saga_subject(s), queries.get_saga)
+
+    async def sweep_deadlines() -> None:
+        # Deadlines live in the database: whichever replica runs this (and a restarted
+        # one) enforces them; SKIP LOCKED keeps two sweepers off the same saga. A bounded
+        # number of batches per tick, so a backlog cannot starve the loop's stop check.
+        for _ in range(SWEEP_BATCHES_PER_TICK):
+            async with rt.uow() as uow:
+                due = await handlers.sweep(uow, SWEEP_BATCH)
+                await uow.commit()
+            if due < SWEEP_BATCH:
+                return
+
+    rt.every("deadline-sweeper", rt.settings.checkpoint.sweep_interval_s, sweep_deadlines)
+
+
+def main() -> None:
+    run_service(ServiceRuntime(NAME, SCHEMA, Settings(), migrations_dir(__file__)), build)

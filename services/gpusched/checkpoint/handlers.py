@@ -1,0 +1,447 @@
+"""The service layer of the eviction saga: messages in, saga decisions, outbox out.
+
+Every input follows one recipe: lock the saga row, fold the input with the pure
+`saga.decide`, store the new saga, turn each effect into an outbox message and write
+one audit record per state the saga entered. A late, duplicate or foreign input
+(IllegalTransition / ForeignMessage) is audited as `saga.input_ignored` and acked:
+it is normal life on an at-least-once bus, not a dead letter.
+
+Job events name their job by the envelope's correlation id (the SDK sets it to the job
+id); job.completed/failed may instead carry it only in their payload. The subject's
+job token is not used: handlers see envelopes, not subjects.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from enum import StrEnum
+from itertools import pairwise
+from typing import Any, Final
+
+from gpusched.checkpoint import store
+from gpusched.checkpoint.api import checkpoint_info
+from gpusched.checkpoint.policy import EvictionPolicies
+from gpusched.contracts import messages as wire
+from gpusched.contracts.envelope import Envelope, utcnow
+from gpusched.contracts.errors import MalformedMessage
+from gpusched.contracts.messages import T
+from gpusched.contracts.subjects import check_token
+from gpusched.domain.saga import (
+    TERMINAL_STATES,
+    Begin,
+    CheckpointConfirmed,
+    CheckpointFailed,
+    CheckpointRef,
+    DeadlineReached,
+    Decision,
+    EmitEvictionAborted,
+    EmitEvictionCancelled,
+    EmitEvictionCompleted,
+    EmitEvictionForced,
+    EvictFailed,
+    ForeignMessage,
+    IllegalTransition,
+    JobFinished,
+    NeedWithdrawn,
+    Outcome,
+    Saga,
+    SagaEffect,
+    SagaInput,
+    SagaState,
+    SendCheckpointRequest,
+    SendEvict,
+    SendPreemptionCancelled,
+    Stage,
+    WorkloadStopped,
+    begin,
+    decide,
+)
+from gpusched.infra.db import UnitOfWork
+
+SERVICE: Final = "checkpoint"
+# Saga ids derive from the request id, so the same request always names the same saga.
+_SAGA_NAMESPACE: Final = uuid.UUID("6f1c3e52-5b0e-4d8e-9a57-1f3c2b7d9e10")
+
+
+class AuditAction(StrEnum):
+    CHECKPOINT_REQUESTED = "checkpoint.requested"
+    CHECKPOINT_CONFIRMED = "checkpoint.confirmed"
+    CHECKPOINT_RECORDED = "checkpoint.recorded"
+    EVICT = "evict"
+    WORKLOAD_EVICTED = "workload.evicted"
+    EVICTION_COMPLETED = "eviction.completed"
+    EVICTION_ABORTED = "eviction.aborted"
+    EVICTION_FORCED = "eviction.forced"
+    EVICTION_CANCELLED = "eviction.cancelled"
+    SAGA_UPDATED = "saga.updated"
+    INPUT_IGNORED = "saga.input_ignored"
+
+
+# The action recorded when a saga enters a state on its way, and when it ends (by why
+# it ended: a job that finished on its own completes the saga but cancels the eviction).
+_ENTERED: Final[Mapping[SagaState, AuditAction]] = {
+    SagaState.CHECKPOINTING: AuditAction.CHECKPOINT_REQUESTED,
+    SagaState.CONFIRMED: AuditAction.CHECKPOINT_CONFIRMED,
+    SagaState.EVICTING: AuditAction.EVICT,
+    SagaState.EVICTED: AuditAction.WORKLOAD_EVICTED,
+}
+_ENDED: Final[Mapping[Outcome, AuditAction]] = {
+    Outcome.EVICTED: AuditAction.EVICTION_COMPLETED,
+    Outcome.JOB_FINISHED: AuditAction.EVICTION_CANCELLED,
+    Outcome.NEED_WITHDRAWN: AuditAction.EVICTION_CANCELLED,
+    Outcome.DEADLINE_ABORTED: AuditAction.EVICTION_ABORTED,
+    Outcome.CHECKPOINT_FAILED_ABORTED: AuditAction.EVICTION_ABORTED,
+    Outcome.EVICT_FAILED: AuditAction.EVICTION_ABORTED,
+    Outcome.DEADLINE_FORCED: AuditAction.EVICTION_FORCED,
+    Outcome.CHECKPOINT_FAILED_FORCED: AuditAction.EVICTION_FORCED,
+}
+
+
+def saga_id_for(request_id: str) -> str:
+    return str(uuid.uuid5(_SAGA_NAMESPACE, request_id))
+
+
+class SagaHandlers:
+    def __init__(self, policies: EvictionPolicies, clock: Callable[[], datetime] = utcnow) -> None:
+        self._policies = policies
+        self._now = clock
+
+    # --- commands from preemption ---------------------------------------------------------
+
+    async def on_eviction_requested(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        request = envelope.payload(wire.EvictionRequested)
+        _require_token(request.job_id, "job id")
+        now = self._now()
+        known = await store.lock_by_request(uow, request.request_id)
+        if known is not None:
+            why = "the request has a saga already"
+            await _ignored(uow, known, "EvictionRequested", why, envelope.id)
+            return
+        policy = self._policies.for_class(request.priority_class.value)
+        latest = await store.latest_checkpoint(uow, request.job_id)
+        try:
+            saga, effects = begin(
+                Begin(
+                    saga_id=saga_id_for(request.request_id),
+                    request_id=request.request_id,
+                    allocation_id=request.allocation_id,
+                    job_id=request.job_id,
+                    gpus=request.gpus,
+                    started_at=request.started_at,
+                    grace_s=self._policies.grace_s,
+                    policy=policy.on_deadline,
+                    stage_required=policy.stage_required,
+                    reason=request.reason,
+                    last_confirmed=None if latest is None else latest.checkpoint,
+                    # A checkpoint from an earlier allocation is where this one resumed
+                    # from: no work is lost from before this allocation started.
+                    last_confirmed_at=(
+                        None if latest is None else max(latest.confirmed_at, request.started_at)
+                    ),
+                ),
+                now,
+            )
+        except ValueError as exc:  # e.g. a started_at without a time zone
+            raise MalformedMessage(f"{envelope.type}: {exc}") from exc
+        if not await store.insert_saga(uow, saga):
+            # The partial unique index said no: the allocation has a live saga (or a
+            # replica applying another copy of this request inserted it first).
+            live = await store.find_live_by_allocation(uow, request.allocation_id)
+            why = "the allocation already has a live eviction saga"
+            await uow.audit(
+                AuditAction.INPUT_IGNORED,
+                entity=live.saga_id if live is not None else request.request_id,
+                reason=f"eviction request {request.request_id} ignored: {why}",
+                details={
+                    "input": "EvictionRequested",
+                    "request_id": request.request_id,
+                    "allocation_id": request.allocation_id,
+                    "job_id": request.job_id,
+                    "live_saga_id": None if live is None else live.saga_id,
+                    "live_request_id": None if live is None else live.request_id,
+                },
+                causation_id=envelope.id,
+            )
+            return
+        started = Decision(
+            saga=saga,
+            effects=tuple(effects),
+            note=(
+                f"REQUESTED->CHECKPOINTING: asked job {saga.job_id} for a "
+                f"{saga.stage_required.value} checkpoint by {saga.deadline.isoformat()} "
+                f"({saga.reason}); on deadline: {saga.policy.value}"
+            ),
+            path=(SagaState.CHECKPOINTING,),
+        )
+        await _carry_out(uow, SagaState.REQUESTED, started, "EvictionRequested", envelope.id)
+
+    async def on_eviction_withdrawn(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        withdrawn = envelope.payload(wire.EvictionWithdrawn)
+        saga = await store.lock_by_request(uow, withdrawn.request_id)
+        if saga is None:
+            await uow.audit(
+                AuditAction.INPUT_IGNORED,
+                entity=withdrawn.request_id,
+                reason="withdrawal of an eviction request that has no saga",
+                details={"input": "NeedWithdrawn", "request_id": withdrawn.request_id},
+                causation_id=envelope.id,
+            )
+            return
+        await self._apply(uow, saga, NeedWithdrawn(withdrawn.request_id), envelope.id)
+
+    # --- job events -----------------------------------------------------------------------
+
+    async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        confirmed = envelope.payload(wire.CheckpointConfirmed)
+        job_id = _job_of(envelope)
+        ref = CheckpointRef(
+            checkpoint_id=confirmed.checkpoint_id,
+            step=confirmed.step,
+            uri=confirmed.uri,
+            bytes=confirmed.bytes,
+            sha256=confirmed.sha256,
+            stage=Stage(confirmed.stage.value),
+        )
+        now = self._now()
+        await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now)
+        event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
+        for saga in await store.lock_live_by_job(uow, job_id, confirmed.request_id):
+            await self._apply(uow, saga, event, envelope.id, now)
+
+    async def on_checkpoint_failed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        failed = envelope.payload(wire.CheckpointFailed)
+        job_id = _job_of(envelope)
+        event = CheckpointFailed(failed.request_id, job_id, failed.error)
+        for saga in await store.lock_live_by_job(uow, job_id, failed.request_id):
+            await self._apply(uow, saga, event, envelope.id)
+
+    async def on_job_completed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        completed = envelope.payload(wire.JobCompleted)
+        await self._job_finished(envelope, uow, _job_of(envelope, completed.job_id), True)
+
+    async def on_job_failed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        failed = envelope.payload(wire.JobFailed)
+        await self._job_finished(envelope, uow, _job_of(envelope, failed.job_id), False)
+
+    async def _job_finished(
+        self, envelope: Envelope, uow: UnitOfWork, job_id: str, succeeded: bool
+    ) -> None:
+        for saga in await store.lock_live_by_job(uow, job_id):
+            await self._apply(uow, saga, JobFinished(job_id, succeeded), envelope.id)
+
+    # --- cluster agent results ------------------------------------------------------------
+
+    async def on_workload_stopped(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        stopped = envelope.payload(wire.WorkloadStopped)
+        if stopped.saga_id is not None:
+            saga = await store.lock_saga(uow, stopped.saga_id)
+        else:
+            # Most workloads stop without any eviction: no live saga, nothing to do.
+            saga = await store.lock_live_by_allocation(uow, stopped.allocation_id)
+        if saga is not None:
+            event = WorkloadStopped(stopped.allocation_id, stopped.reason.value)
+            await self._apply(uow, saga, event, envelope.id)
+
+    async def on_evict_failed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        failed = envelope.payload(wire.EvictFailed)
+        saga = await store.lock_saga(uow, failed.saga_id)
+        if saga is not None:
+            event = EvictFailed(failed.allocation_id, failed.error)
+            await self._apply(uow, saga, event, envelope.id)
+
+    # --- the deadline timer ---------------------------------------------------------------
+
+    async def sweep(self, uow: UnitOfWork, limit: int) -> int:
+        """Apply DeadlineReached to up to `limit` overdue sagas; how many were due."""
+        # The service clock both set the deadlines and judges them, so the query takes
+        # it as a parameter rather than trusting the database's now().
+        now = self._now()
+        due = await store.lock_due(uow, now, limit)
+        for saga in due:
+            await self._apply(uow, saga, DeadlineReached(now), None, now)
+        return len(due)
+
+    # --- the recipe -----------------------------------------------------------------------
+
+    async def _apply(
+        self,
+        uow: UnitOfWork,
+        saga: Saga,
+        event: SagaInput,
+        causation_id: str | None,
+        now: datetime | None = None,
+    ) -> None:
+        name = type(event).__name__
+        try:
+            decision = decide(saga, event, now or self._now())
+        except (IllegalTransition, ForeignMessage) as exc:
+            await _ignored(uow, saga, name, str(exc), causation_id)
+            return
+        await store.save_saga(uow, decision.saga)
+        await _carry_out(uow, saga.state, decision, name, causation_id)
+
+
+async def _carry_out(
+    uow: UnitOfWork,
+    before: SagaState,
+    decision: Decision,
+    input_name: str,
+    causation_id: str | None,
+) -> None:
+    saga = decision.saga
+    for effect in decision.effects:
+        await _emit(uow, saga, effect, causation_id)
+    details = {
+        "input": input_name,
+        "effects": [type(effect).__name__ for effect in decision.effects],
+        **_describe(saga),
+    }
+    if not decision.path:
+        # No state entered, but the saga still changed (or chose to keep waiting).
+        if any(isinstance(effect, SendEvict) for effect in decision.effects):
+            action = AuditAction.EVICT  # a retry after a failed eviction
+        elif input_name == CheckpointConfirmed.__name__:
+            action = AuditAction.CHECKPOINT_RECORDED
+        else:
+            action = AuditAction.SAGA_UPDATED
+        await uow.audit(
+            action,
+            entity=saga.saga_id,
+            reason=decision.note,
+            details={**details, "from": before.value, "to": before.value},
+            causation_id=causation_id,
+        )
+        return
+    for source, entered in pairwise((before, *decision.path)):
+        action = _ENDED[_outcome(saga)] if entered in TERMINAL_STATES else _ENTERED[entered]
+        await uow.audit(
+            action,
+            entity=saga.saga_id,
+            reason=decision.note,
+            details={**details, "from": source.value, "to": entered.value},
+            causation_id=causation_id,
+        )
+
+
+def _outcome(saga: Saga) -> Outcome:
+    if saga.outcome is None:
+        raise AssertionError(f"saga {saga.saga_id} ended in {saga.state} without an outcome")
+    return saga.outcome
+
+
+async def _emit(uow: UnitOfWork, saga: Saga, effect: SagaEffect, causation_id: str | None) -> None:
+    s = uow.subjects
+    ids = {"saga_id": saga.saga_id, "request_id": saga.request_id}
+    subject: str
+    message_type: T
+    payload: wire.Wire
+    match effect:
+        case SendCheckpointRequest():
+            subject, message_type = s.job_control(effect.job_id), T.CHECKPOINT_REQUESTED
+            payload = wire.CheckpointRequested(
+                request_id=effect.request_id,
+                job_id=effect.job_id,
+                reason=effect.reason,
+                deadline=effect.deadline,
+                stage_required=wire.StageName(effect.stage_required.value),
+            )
+        case SendEvict():
+            subject, message_type = s.command("agent", T.EVICT_WORKLOAD), T.EVICT_WORKLOAD
+            payload = wire.EvictWorkload(
+                allocation_id=effect.allocation_id,
+                job_id=effect.job_id,
+                saga_id=saga.saga_id,
+                forced=effect.forced,
+            )
+        case SendPreemptionCancelled():
+            subject, message_type = s.job_control(effect.job_id), T.PREEMPTION_CANCELLED
+            payload = wire.PreemptionCancelled(request_id=effect.request_id)
+        case EmitEvictionCompleted():
+            subject, message_type = s.event(SERVICE, T.EVICTION_COMPLETED), T.EVICTION_COMPLETED
+            payload = wire.EvictionCompleted(
+                **ids,
+                allocation_id=effect.allocation_id,
+                job_id=effect.job_id,
+                checkpoint=checkpoint_info(effect.checkpoint),
+            )
+        case EmitEvictionAborted():
+            subject, message_type = s.event(SERVICE, T.EVICTION_ABORTED), T.EVICTION_ABORTED
+            payload = wire.EvictionAborted(
+                **ids,
+                allocation_id=effect.allocation_id,
+                job_id=effect.job_id,
+                reason=effect.reason.value,
+            )
+        case EmitEvictionForced():
+            subject, message_type = s.event(SERVICE, T.EVICTION_FORCED), T.EVICTION_FORCED
+            payload = wire.EvictionForced(
+                **ids,
+                allocation_id=effect.allocation_id,
+                job_id=effect.job_id,
+                lost_gpu_seconds=effect.lost_gpu_seconds,
+                checkpoint=checkpoint_info(effect.last_checkpoint),
+            )
+        case EmitEvictionCancelled():
+            subject, message_type = s.event(SERVICE, T.EVICTION_CANCELLED), T.EVICTION_CANCELLED
+            payload = wire.EvictionCancelled(
+                **ids,
+                allocation_id=effect.allocation_id,
+                job_id=effect.job_id,
+                reason=effect.reason.value,
+            )
+    await uow.emit(
+        subject, message_type, payload, correlation_id=saga.saga_id, causation_id=causation_id
+    )
+
+
+async def _ignored(
+    uow: UnitOfWork, saga: Saga, input_name: str, why: str, causation_id: str | None
+) -> None:
+    await uow.audit(
+        AuditAction.INPUT_IGNORED,
+        entity=saga.saga_id,
+        reason=why,
+        details={"input": input_name, **_describe(saga)},
+        causation_id=causation_id,
+    )
+
+
+def _describe(saga: Saga) -> dict[str, Any]:
+    return {
+        "saga_id": saga.saga_id,
+        "request_id": saga.request_id,
+        "job_id": saga.job_id,
+        "allocation_id": saga.allocation_id,
+        "state": saga.state.value,
+        "outcome": None if saga.outcome is None else saga.outcome.value,
+        "deadline": saga.deadline.isoformat(),
+        "stage_required": saga.stage_required.value,
+        "policy": saga.policy.value,
+        "checkpoint": None if saga.checkpoint is None else saga.checkpoint.to_dict(),
+        "last_confirmed": (None if saga.last_confirmed is None else saga.last_confirmed.to_dict()),
+        "lost_gpu_seconds": saga.lost_gpu_seconds,
+    }
+
+
+def _job_of(envelope: Envelope, named: str | None = None) -> str:
+    """The job a job event is about: its correlation id, which the SDK sets to the job
+    id, else the job id its payload names."""
+    job_id = envelope.correlation_id or named
+    if job_id is None:
+        raise MalformedMessage(f"{envelope.type}: no job id (the correlation id names the job)")
+    if named is not None and named != job_id:
+        raise MalformedMessage(
+            f"{envelope.type}: correlation id {job_id!r} and job_id {named!r} disagree"
+        )
+    return _require_token(job_id, "job id")
+
+
+def _require_token(value: str, what: str) -> str:
+    # The job id becomes a subject token of its control subject; one that cannot be
+    # one would only fail later, in the outbox.
+    try:
+        return check_token(value, what)
+    except ValueError as exc:
+        raise MalformedMessage(str(exc)) from exc

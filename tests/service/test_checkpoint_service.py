@@ -1,0 +1,595 @@
+"""The checkpoint service: the checkpoint-confirmed-before-evict saga (DESIGN §3.4).
+
+The service runs in-process on the real NATS and PostgreSQL; the test plays
+preemption (eviction commands), the job (job events, as the SDK sends them: the
+correlation id is the job id) and the cluster agent (workload results), and watches
+what the service publishes: job control messages, evict commands, saga outcomes and
+the audit stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from tests.support.waiting import eventually, stream_messages
+
+from gpusched.checkpoint import app
+from gpusched.checkpoint.api import get_saga_subject, latest_checkpoint_subject
+from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
+from gpusched.contracts.messages import (
+    CheckpointConfirmed,
+    CheckpointFailed,
+    EvictFailed,
+    EvictionRequested,
+    EvictionWithdrawn,
+    JobCompleted,
+    PriorityClassName,
+    StageName,
+    StopReason,
+    T,
+    WorkloadStopped,
+)
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.settings import Settings
+
+WITHIN = 20.0
+
+
+def with_checkpoint(settings: Settings, **update: Any) -> Settings:
+    return settings.model_copy(update={"checkpoint": settings.checkpoint.model_copy(update=update)})
+
+
+@pytest.fixture
+def patient(settings: Settings) -> Settings:
+    """A deadline far enough away that it never fires during a test."""
+    return with_checkpoint(settings, grace_s=120.0, sweep_interval_s=0.1)
+
+
+@pytest.fixture
+def hasty(settings: Settings) -> Settings:
+    return with_checkpoint(settings, grace_s=0.5, sweep_interval_s=0.1)
+
+
+@asynccontextmanager
+async def running(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    rt = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
+    await rt.start()
+    await app.build(rt)
+    task = asyncio.create_task(rt.run())
+    try:
+        yield rt
+    finally:
+        rt.request_stop()
+        await asyncio.wait_for(task, WITHIN)
+
+
+@pytest.fixture
+async def service(patient: Settings) -> AsyncIterator[ServiceRuntime]:
+    async with running(patient) as rt:
+        yield rt
+
+
+# --- the roles the test plays --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Victim:
+    job_id: str
+    allocation_id: str
+    request_id: str
+
+
+def victim() -> Victim:
+    tag = uuid.uuid4().hex[:8]
+    return Victim(f"job-{tag}", f"alloc-{tag}", f"req-{tag}")
+
+
+async def publish(
+    rt: ServiceRuntime,
+    subject: str,
+    message_type: str,
+    data: BaseModel,
+    *,
+    correlation_id: str | None = None,
+) -> Envelope:
+    envelope = make_envelope(message_type, data, source="test", correlation_id=correlation_id)
+    # No Nats-Msg-Id: what the service does with a copy is its own business (its inbox).
+    await rt.js.publish(subject, envelope.to_bytes())
+    return envelope
+
+
+async def request_eviction(
+    rt: ServiceRuntime,
+    v: Victim,
+    priority_class: PriorityClassName = PriorityClassName.P1_NORMAL,
+    *,
+    request_id: str | None = None,
+) -> Envelope:
+    payload = EvictionRequested(
+        request_id=request_id or v.request_id,
+        decision_id=f"decision-{uuid.uuid4().hex[:8]}",
+        allocation_id=v.allocation_id,
+        job_id=v.job_id,
+        team="vision",
+        priority_class=priority_class,
+        gpus=4,
+        started_at=utcnow() - timedelta(hours=1),
+        reason="inference surge",
+    )
+    subject = rt.subjects.command("checkpoint", T.EVICTION_REQUESTED)
+    return await publish(rt, subject, T.EVICTION_REQUESTED, payload)
+
+
+async def confirm(
+    rt: ServiceRuntime,
+    v: Victim,
+    step: int,
+    stage: StageName = StageName.PERSISTED,
+    *,
+    request_id: str | None = None,
+) -> Envelope:
+    payload = CheckpointConfirmed(
+        request_id=request_id,
+        checkpoint_id=f"ckpt-{step}",
+        step=step,
+        uri=f"file:///checkpoints/{v.job_id}/{step}",
+        bytes=1_000_000,
+        sha256="ab" * 32,
+        stage=stage,
+    )
+    return await publish(
+        rt,
+        rt.subjects.job_events(v.job_id),
+        T.CHECKPOINT_CONFIRMED,
+        payload,
+        correlation_id=v.job_id,
+    )
+
+
+async def workload_stopped(rt: ServiceRuntime, v: Victim, saga_id: str) -> Envelope:
+    payload = WorkloadStopped(
+        allocation_id=v.allocation_id,
+        job_id=v.job_id,
+        reason=StopReason.EVICTED,
+        stopped_at=utcnow(),
+        saga_id=saga_id,
+    )
+    subject = rt.subjects.event("agent", T.WORKLOAD_STOPPED)
+    return await publish(rt, subject, T.WORKLOAD_STOPPED, payload)
+
+
+# --- what the test watches ----------------------------------------------------------------
+
+
+async def stored(rt: ServiceRuntime, subject: str) -> list[Envelope]:
+    """Every message stored so far on `subject` (wildcards allowed), oldest first."""
+    stream = await rt.js.find_stream_name_by_subject(subject)
+    info = await rt.js.stream_info(stream, subjects_filter=subject)
+    count = sum((info.state.subjects or {}).values())
+    if count == 0:
+        return []
+    return [Envelope.from_bytes(m.data) for m in await stream_messages(rt.js, subject, count)]
+
+
+async def wait_for(rt: ServiceRuntime, subject: str, count: int = 1) -> list[Envelope]:
+    async def enough() -> list[Envelope]:
+        got = await stored(rt, subject)
+        return got if len(got) >= count else []
+
+    return await eventually(enough, within=WITHIN)
+
+
+def evict_commands(rt: ServiceRuntime) -> str:
+    return rt.subjects.command("agent", T.EVICT_WORKLOAD)
+
+
+def outcome(rt: ServiceRuntime, message_type: T) -> str:
+    return rt.subjects.event("checkpoint", message_type)
+
+
+async def audit_trail(rt: ServiceRuntime, entity: str) -> list[dict[str, Any]]:
+    records = await stored(rt, rt.subjects.audit(">"))
+    return [e.data for e in records if e.data["entity"] == entity]
+
+
+async def wait_for_audit(rt: ServiceRuntime, entity: str, action: str) -> dict[str, Any]:
+    async def found() -> dict[str, Any] | None:
+        return next((r for r in await audit_trail(rt, entity) if r["action"] == action), None)
+
+    record = await eventually(found, within=WITHIN)
+    assert record is not None
+    return record
+
+
+async def ask(rt: ServiceRuntime, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply = await rt.nc.request(subject, json.dumps(body).encode(), timeout=WITHIN)
+    answer: dict[str, Any] = json.loads(reply.data)
+    return answer
+
+
+async def saga_of(rt: ServiceRuntime, job_id: str) -> dict[str, Any]:
+    reply = await ask(rt, get_saga_subject(rt.subjects), {"job_id": job_id})
+    assert reply["ok"], reply
+    saga: dict[str, Any] = reply["saga"]
+    return saga
+
+
+async def saga_rows(rt: ServiceRuntime) -> list[tuple[Any, ...]]:
+    async with rt.uow() as uow:
+        result = await uow.execute(
+            "SELECT saga_id, state, deadline, data::text AS data FROM checkpoint.sagas "
+            "ORDER BY saga_id"
+        )
+        return [tuple(row) for row in result]
+
+
+async def checkpoint_requested(rt: ServiceRuntime, v: Victim) -> Envelope:
+    [requested] = await wait_for(rt, rt.subjects.job_control(v.job_id))
+    assert requested.type == T.CHECKPOINT_REQUESTED
+    return requested
+
+
+# --- the saga ----------------------------------------------------------------------------------
+
+
+async def test_a_job_is_evicted_only_after_its_checkpoint_is_persisted_and_resumes_from_it(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    asked_at = utcnow()
+    await request_eviction(rt, v)
+
+    requested = await checkpoint_requested(rt, v)
+    saga_id = requested.correlation_id
+    assert saga_id is not None
+    assert requested.data["request_id"] == v.request_id
+    assert requested.data["job_id"] == v.job_id
+    assert requested.data["stage_required"] == "persisted"  # the p1-normal policy
+    deadline = datetime.fromisoformat(requested.data["deadline"])
+    assert asked_at + timedelta(seconds=110) < deadline < utcnow() + timedelta(seconds=130)
+    assert await stored(rt, evict_commands(rt)) == []
+
+    # A snapshot in host memory is not enough for p1-normal: still nothing is evicted.
+    await confirm(rt, v, 100, StageName.SNAPSHOTTED, request_id=v.request_id)
+    await wait_for_audit(rt, saga_id, "checkpoint.recorded")
+    assert await stored(rt, evict_commands(rt)) == []
+    assert (await saga_of(rt, v.job_id))["state"] == "checkpointing"
+
+    confirmation = await confirm(rt, v, 100, StageName.PERSISTED, request_id=v.request_id)
+    [evict] = await wait_for(rt, evict_commands(rt))
+    assert evict.data == {
+        "allocation_id": v.allocation_id,
+        "job_id": v.job_id,
+        "saga_id": saga_id,
+        "forced": False,
+    }
+    assert evict.correlation_id == saga_id
+    assert evict.causation_id == confirmation.id
+
+    await workload_stopped(rt, v, saga_id)
+    [completed] = await wait_for(rt, outcome(rt, T.EVICTION_COMPLETED))
+    assert completed.data["request_id"] == v.request_id
+    assert completed.data["allocation_id"] == v.allocation_id
+    assert completed.data["checkpoint"]["checkpoint_id"] == "ckpt-100"
+    assert completed.data["checkpoint"]["stage"] == "persisted"
+
+    await wait_for_audit(rt, saga_id, "eviction.completed")
+    trail = await audit_trail(rt, saga_id)
+    assert [(r["action"], r["details"]["from"], r["details"]["to"]) for r in trail] == [
+        ("checkpoint.requested", "requested", "checkpointing"),
+        ("checkpoint.recorded", "checkpointing", "checkpointing"),
+        ("checkpoint.confirmed", "checkpointing", "confirmed"),
+        ("evict", "confirmed", "evicting"),
+        ("workload.evicted", "evicting", "evicted"),
+        ("eviction.completed", "evicted", "completed"),
+    ]
+    assert all(r["details"]["request_id"] == v.request_id for r in trail)
+    assert trail[-1]["details"]["checkpoint"]["checkpoint_id"] == "ckpt-100"
+    saga = await saga_of(rt, v.job_id)
+    assert (saga["state"], saga["outcome"]) == ("completed", "evicted")
+
+
+async def test_a_missed_deadline_aborts_the_eviction_and_the_job_keeps_training(
+    hasty: Settings,
+) -> None:
+    async with running(hasty) as rt:
+        v = victim()
+        await request_eviction(rt, v, PriorityClassName.P1_NORMAL)
+
+        [aborted] = await wait_for(rt, outcome(rt, T.EVICTION_ABORTED))
+        assert aborted.data["request_id"] == v.request_id
+        assert aborted.data["reason"] == "deadline_aborted"
+        control = await wait_for(rt, rt.subjects.job_control(v.job_id), 2)
+        assert [m.type for m in control] == [T.CHECKPOINT_REQUESTED, T.PREEMPTION_CANCELLED]
+        assert control[1].data == {"request_id": v.request_id}
+        assert await stored(rt, evict_commands(rt)) == []
+        record = await wait_for_audit(rt, aborted.data["saga_id"], "eviction.aborted")
+        assert record["details"]["outcome"] == "deadline_aborted"
+
+
+async def test_a_missed_deadline_under_the_force_policy_evicts_and_records_the_lost_work(
+    hasty: Settings,
+) -> None:
+    async with running(hasty) as rt:
+        v = victim()
+        await request_eviction(rt, v, PriorityClassName.P2_OFFLINE)
+
+        requested = await checkpoint_requested(rt, v)
+        assert requested.data["stage_required"] == "snapshotted"  # the p2-offline policy
+        [forced] = await wait_for(rt, outcome(rt, T.EVICTION_FORCED))
+        # Four GPUs for an hour with no checkpoint at all.
+        assert forced.data["lost_gpu_seconds"] >= 4 * 3600
+        assert forced.data["checkpoint"] is None
+        [evict] = await wait_for(rt, evict_commands(rt))
+        assert evict.data["forced"] is True
+        assert evict.data["saga_id"] == forced.data["saga_id"]
+        record = await wait_for_audit(rt, forced.data["saga_id"], "eviction.forced")
+        assert record["details"]["lost_gpu_seconds"] == forced.data["lost_gpu_seconds"]
+
+
+async def test_a_withdrawn_need_cancels_the_eviction_and_a_late_checkpoint_evicts_nothing(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+
+    withdrawal = EvictionWithdrawn(request_id=v.request_id, reason="inference load fell")
+    subject = rt.subjects.command("checkpoint", T.EVICTION_WITHDRAWN)
+    await publish(rt, subject, T.EVICTION_WITHDRAWN, withdrawal)
+
+    [cancelled] = await wait_for(rt, outcome(rt, T.EVICTION_CANCELLED))
+    assert cancelled.data["reason"] == "need_withdrawn"
+    control = await wait_for(rt, rt.subjects.job_control(v.job_id), 2)
+    assert control[1].type == T.PREEMPTION_CANCELLED
+    assert (await saga_of(rt, v.job_id))["state"] == "cancelled"
+
+    # The job had already started its checkpoint: the confirmation arrives too late.
+    await confirm(rt, v, 50, request_id=v.request_id)
+    ignored = await wait_for_audit(rt, saga_id, "saga.input_ignored")
+    assert ignored["details"]["input"] == "CheckpointConfirmed"
+    assert await stored(rt, evict_commands(rt)) == []
+
+
+async def test_a_job_that_completes_during_the_saga_completes_it_with_nothing_evicted(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+
+    await publish(
+        rt,
+        rt.subjects.job_events(v.job_id),
+        T.JOB_COMPLETED,
+        JobCompleted(job_id=v.job_id, step=1000),
+        correlation_id=v.job_id,
+    )
+
+    [cancelled] = await wait_for(rt, outcome(rt, T.EVICTION_CANCELLED))
+    assert cancelled.data["reason"] == "job_finished"
+    saga = await saga_of(rt, v.job_id)
+    assert (saga["state"], saga["outcome"]) == ("completed", "job_finished")
+    assert await stored(rt, evict_commands(rt)) == []
+
+
+async def test_a_second_eviction_request_for_the_same_allocation_is_audited_and_ignored(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+
+    await request_eviction(rt, v, request_id="req-second")
+
+    ignored = await wait_for_audit(rt, saga_id, "saga.input_ignored")
+    assert ignored["details"]["request_id"] == "req-second"
+    assert ignored["details"]["live_request_id"] == v.request_id
+    assert len(await stored(rt, rt.subjects.job_control(v.job_id))) == 1
+    assert len(await saga_rows(rt)) == 1
+    assert (await saga_of(rt, v.job_id))["request_id"] == v.request_id
+
+
+async def test_a_confirmation_for_another_request_is_audited_and_the_saga_keeps_waiting(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+
+    await confirm(rt, v, 70, request_id="req-someone-else")
+
+    ignored = await wait_for_audit(rt, saga_id, "saga.input_ignored")
+    assert "req-someone-else" in ignored["reason"]
+    assert (await saga_of(rt, v.job_id))["state"] == "checkpointing"
+    assert await stored(rt, evict_commands(rt)) == []
+
+
+async def test_a_restarted_service_still_enforces_a_deadline_set_before_the_restart(
+    settings: Settings,
+) -> None:
+    short = with_checkpoint(settings, grace_s=3.0, sweep_interval_s=0.1)
+    v = victim()
+    async with running(short) as first:
+        await request_eviction(first, v)
+        requested = await checkpoint_requested(first, v)
+    deadline = datetime.fromisoformat(requested.data["deadline"])
+    assert utcnow() < deadline, "the first runtime should stop before the deadline"
+
+    async with running(short) as second:
+        [(_, state, stored_deadline, _)] = await saga_rows(second)
+        assert state == "checkpointing"
+        assert stored_deadline == deadline
+
+        [aborted] = await wait_for(second, outcome(second, T.EVICTION_ABORTED))
+        assert aborted.data["request_id"] == v.request_id
+        assert aborted.time >= deadline
+
+
+async def test_malformed_messages_on_every_consumed_subject_are_dead_lettered_and_change_nothing(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+    before = await saga_rows(rt)
+    now = datetime.now(UTC).isoformat()
+
+    def raw(message_type: str, data: dict[str, Any], correlation_id: str | None = None) -> bytes:
+        return json.dumps(
+            {
+                "id": str(uuid.uuid4()),
+                "type": message_type,
+                "source": "test",
+                "time": now,
+                "correlation_id": correlation_id,
+                "data": data,
+            }
+        ).encode()
+
+    good_checkpoint = {
+        "request_id": v.request_id,
+        "checkpoint_id": "ckpt-1",
+        "step": 1,
+        "uri": "file:///c",
+        "bytes": 1,
+        "sha256": "ab" * 32,
+        "stage": "persisted",
+    }
+    bad = [
+        (rt.subjects.command("checkpoint", T.EVICTION_REQUESTED), b"not json at all"),
+        (
+            rt.subjects.command("checkpoint", T.EVICTION_REQUESTED),
+            raw(T.EVICTION_REQUESTED, {"request_id": "r", "gpus": 0}),
+        ),
+        (
+            rt.subjects.command("checkpoint", T.EVICTION_WITHDRAWN),
+            raw(T.EVICTION_WITHDRAWN, {"request_id": v.request_id}),
+        ),
+        (
+            rt.subjects.job_events(v.job_id),
+            raw(T.CHECKPOINT_CONFIRMED, {**good_checkpoint, "sha256": "nope"}, v.job_id),
+        ),
+        # Well-formed, but no correlation id: nothing says which job it is about.
+        (rt.subjects.job_events(v.job_id), raw(T.CHECKPOINT_CONFIRMED, good_checkpoint)),
+        (
+            rt.subjects.event("agent", T.WORKLOAD_STOPPED),
+            raw(T.WORKLOAD_STOPPED, {"allocation_id": v.allocation_id, "reason": "vanished"}),
+        ),
+    ]
+    for subject, body in bad:
+        await rt.js.publish(subject, body)
+
+    dead = await stream_messages(rt.js, rt.subjects.dead_letter("checkpoint"), len(bad), WITHIN)
+    headers = [m.headers or {} for m in dead]
+    assert sorted(
+        (h["Gpusched-Original-Subject"], m.data) for h, m in zip(headers, dead, strict=True)
+    ) == sorted(bad)
+    assert {h["Gpusched-Reason"] for h in headers} == {"malformed"}
+    assert await saga_rows(rt) == before
+    assert await stored(rt, evict_commands(rt)) == []
+
+    # Still serving: a good confirmation moves the saga on.
+    await confirm(rt, v, 5, request_id=v.request_id)
+    await wait_for(rt, evict_commands(rt))
+
+
+async def test_the_same_envelope_delivered_twice_opens_one_saga_and_asks_once(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    envelope = await request_eviction(rt, v)
+    await rt.js.publish(
+        rt.subjects.command("checkpoint", T.EVICTION_REQUESTED), envelope.to_bytes()
+    )
+    # A message behind both copies on the same consumer: once it is applied, so are they.
+    marker = EvictionWithdrawn(request_id="req-marker", reason="marker")
+    await publish(
+        rt, rt.subjects.command("checkpoint", T.EVICTION_WITHDRAWN), T.EVICTION_WITHDRAWN, marker
+    )
+    await wait_for_audit(rt, "req-marker", "saga.input_ignored")
+
+    assert len(await stored(rt, rt.subjects.job_control(v.job_id))) == 1
+    saga_id = (await saga_of(rt, v.job_id))["saga_id"]
+    assert [r["action"] for r in await audit_trail(rt, saga_id)] == ["checkpoint.requested"]
+
+
+async def test_the_catalogue_answers_the_latest_usable_checkpoint_of_a_job(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    latest = latest_checkpoint_subject(rt.subjects)
+    # Periodic checkpoints, with no eviction in sight, are catalogued all the same.
+    await confirm(rt, v, 100, StageName.PERSISTED)
+    await confirm(rt, v, 200, StageName.SNAPSHOTTED)
+    await confirm(rt, v, 200, StageName.PERSISTED)
+    await confirm(rt, v, 300, StageName.SNAPSHOTTED)
+
+    async def newest() -> dict[str, Any]:
+        reply = await ask(rt, latest, {"job_id": v.job_id})
+        found: dict[str, Any] = reply["checkpoint"] or {}
+        return found if found.get("step") == 300 else {}
+
+    assert (await eventually(newest, within=WITHIN))["stage"] == "snapshotted"
+    durable = await ask(rt, latest, {"job_id": v.job_id, "min_stage": "persisted"})
+    assert (durable["checkpoint"]["step"], durable["checkpoint"]["stage"]) == (200, "persisted")
+    assert await ask(rt, latest, {"job_id": "job-unknown"}) == {
+        "ok": True,
+        "checkpoint": None,
+        "confirmed_at": None,
+        "error": None,
+    }
+    assert (await ask(rt, latest, {"nope": 1}))["ok"] is False
+
+
+async def test_a_failed_checkpoint_aborts_the_eviction_under_the_abort_policy(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+
+    failure = CheckpointFailed(request_id=v.request_id, error="disk full")
+    await publish(
+        rt,
+        rt.subjects.job_events(v.job_id),
+        T.CHECKPOINT_FAILED,
+        failure,
+        correlation_id=v.job_id,
+    )
+
+    [aborted] = await wait_for(rt, outcome(rt, T.EVICTION_ABORTED))
+    assert aborted.data["reason"] == "checkpoint_failed_aborted"
+    assert await stored(rt, evict_commands(rt)) == []
+
+
+async def test_a_failed_evict_command_is_sent_again(service: ServiceRuntime) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+    await confirm(rt, v, 10, request_id=v.request_id)
+    await wait_for(rt, evict_commands(rt))
+
+    failure = EvictFailed(
+        allocation_id=v.allocation_id, job_id=v.job_id, saga_id=saga_id, error="node unreachable"
+    )
+    await publish(rt, rt.subjects.event("agent", T.EVICT_FAILED), T.EVICT_FAILED, failure)
+
+    first, second = await wait_for(rt, evict_commands(rt), 2)
+    assert first.data == second.data
+    saga = await saga_of(rt, v.job_id)
+    assert (saga["state"], saga["evict_attempts"]) == ("evicting", 2)
