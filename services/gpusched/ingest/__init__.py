@@ -1,0 +1,1 @@
+"""Ingest: GPU samples and inference stats -> pool utilization snapshots (DESIGN §3.2)."""

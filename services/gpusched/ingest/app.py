@@ -1,0 +1,55 @@
+"""Ingest's composition root (DESIGN §3.2): telemetry and ledger events in, snapshots out."""
+
+from __future__ import annotations
+
+from gpusched.contracts.envelope import utcnow
+from gpusched.contracts.messages import T
+from gpusched.infra import bus
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime, run_service
+from gpusched.infra.settings import Settings
+from gpusched.ingest import handlers
+
+NAME = handlers.NAME
+SCHEMA = "ingest"
+
+
+async def build(rt: ServiceRuntime) -> None:
+    s = rt.subjects
+    rt.consume(
+        bus.Consumer(
+            durable="ingest-telemetry",
+            stream=s.stream("TELEMETRY"),
+            subjects=[s.all_gpu_telemetry, s.all_inference_telemetry],
+            handlers={
+                T.GPU_SAMPLE: handlers.on_gpu_sample,
+                T.INFERENCE_STATS: handlers.on_inference_stats,
+            },
+        )
+    )
+    # One consumer for all ledger events keeps them in admission's order.
+    rt.consume(
+        bus.Consumer(
+            durable="ingest-admission",
+            stream=s.stream("EVENTS"),
+            subjects=[s.events_of("admission")],
+            handlers={
+                T.INVENTORY_LOADED: handlers.on_inventory_loaded,
+                T.GPUS_RESERVED: handlers.on_gpus_reserved,
+                T.ALLOCATION_RELEASED: handlers.on_allocation_released,
+                T.GPUS_RETURNED: handlers.on_gpus_returned,
+            },
+        )
+    )
+    settings = rt.settings.ingest
+
+    async def snapshot_tick() -> None:
+        async with rt.uow() as uow:
+            await handlers.publish_snapshot(uow, settings, utcnow())
+            await uow.commit()
+
+    rt.every("pool-snapshot", settings.snapshot_interval_s, snapshot_tick, singleton=True)
+
+
+def main() -> None:
+    run_service(ServiceRuntime(NAME, SCHEMA, Settings(), migrations_dir(__file__)), build)

@@ -1,0 +1,1 @@
+"""Preemption: the elastic-pool controller (DESIGN §3.3, §3.5, §7)."""

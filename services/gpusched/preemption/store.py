@@ -1,0 +1,328 @@
+"""Preemption's SQL on its own schema: projections, decisions, evictions, timers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from gpusched.contracts.messages import AllocationGranted
+from gpusched.contracts.messages import GpuRef as WireGpuRef
+from gpusched.domain.elastic import PriorityClass, VictimCandidate
+from gpusched.domain.inventory import GpuRef, Pool
+from gpusched.infra.db import UnitOfWork
+
+log = logging.getLogger(__name__)
+
+
+class DecisionKind(StrEnum):
+    EXPAND = "expand"
+    SHRINK = "shrink"
+
+
+class DecisionStatus(StrEnum):
+    IN_FLIGHT = "in_flight"  # the migration's one-in-flight index names this value
+    DONE = "done"
+
+
+class EvictionStatus(StrEnum):
+    REQUESTED = "requested"
+    COMPLETED = "completed"
+    ABORTED = "aborted"
+    CANCELLED = "cancelled"
+    FORCED = "forced"
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerRow:
+    last_change_at: datetime | None
+    last_shortfall_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRow:
+    request_id: str
+    decision_id: str
+    allocation_id: str
+    gpus: int
+    status: EvictionStatus
+    reservation_id: str | None
+
+
+# --- controller timers -------------------------------------------------------------------
+async def lock_controller(uow: UnitOfWork) -> ControllerRow:
+    """Every decision takes this row lock first, so replicas decide one at a time."""
+    row = (
+        await uow.execute(
+            f"SELECT last_change_at, last_shortfall_at FROM {uow.schema}.controller "
+            "WHERE id = 1 FOR UPDATE"
+        )
+    ).one()
+    return ControllerRow(row.last_change_at, row.last_shortfall_at)
+
+
+async def record_change(uow: UnitOfWork, at: datetime) -> None:
+    await uow.execute(f"UPDATE {uow.schema}.controller SET last_change_at = :t", {"t": at})
+
+
+async def record_shortfall(uow: UnitOfWork, at: datetime) -> None:
+    await uow.execute(f"UPDATE {uow.schema}.controller SET last_shortfall_at = :t", {"t": at})
+
+
+# --- allocations projection --------------------------------------------------------------
+async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.allocations (allocation_id, job_id, team, kind, "
+        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at) VALUES "
+        "(:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, :started) "
+        "ON CONFLICT (allocation_id) DO NOTHING",
+        {
+            "a": granted.allocation_id,
+            "j": granted.job_id,
+            "team": granted.team,
+            "kind": granted.kind,
+            "pc": granted.priority_class,
+            "pool": granted.pool,
+            "refs": json.dumps([[g.node, g.index] for g in granted.gpus]),
+            "gpus": len(granted.gpus),
+            "ckpt": granted.checkpointable,
+            "started": granted.granted_at,
+        },
+    )
+
+
+async def remove_allocation(uow: UnitOfWork, allocation_id: str) -> None:
+    await uow.execute(
+        f"DELETE FROM {uow.schema}.allocations WHERE allocation_id = :a", {"a": allocation_id}
+    )
+
+
+async def record_checkpoint(uow: UnitOfWork, job_id: str, at: datetime) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.allocations SET last_checkpoint_at = "
+        "GREATEST(COALESCE(last_checkpoint_at, :t), :t) WHERE job_id = :j",
+        {"j": job_id, "t": at},
+    )
+
+
+async def shared_allocated_gpus(uow: UnitOfWork) -> int:
+    result = await uow.execute(
+        f"SELECT COALESCE(sum(gpus), 0) FROM {uow.schema}.allocations WHERE pool = :p",
+        {"p": Pool.SHARED},
+    )
+    return int(result.scalar_one())
+
+
+async def candidates(uow: UnitOfWork) -> tuple[VictimCandidate, ...]:
+    """Live allocations not already being evicted."""
+    s = uow.schema
+    rows = await uow.execute(
+        f"SELECT * FROM {s}.allocations a WHERE NOT EXISTS (SELECT 1 FROM {s}.evictions e "
+        "WHERE e.allocation_id = a.allocation_id AND e.status = :requested) "
+        "ORDER BY allocation_id",
+        {"requested": EvictionStatus.REQUESTED},
+    )
+    return tuple(c for c in (_candidate(r._mapping) for r in rows) if c is not None)
+
+
+_POOLS = frozenset(pool.value for pool in Pool)
+
+
+def _candidate(row: Mapping[str, Any]) -> VictimCandidate | None:
+    refs = tuple(GpuRef(node, index) for node, index in row["gpu_refs"])
+    if not refs or row["pool"] not in _POOLS:
+        # No GPUs to free, or a pool this version does not know: never a victim.
+        return None
+    return VictimCandidate(
+        row["allocation_id"],
+        row["job_id"],
+        row["team"],
+        PriorityClass(row["priority_class"]),
+        len(refs),
+        refs,
+        row["started_at"],
+        row["last_checkpoint_at"],
+        row["checkpointable"],
+        pool=Pool(row["pool"]),
+    )
+
+
+# --- lent GPUs projection ----------------------------------------------------------------
+def _unnest(gpus: Iterable[WireGpuRef]) -> dict[str, list[Any]]:
+    # A GPU may be listed twice (in `gpus` and in `pending`); one row each.
+    refs = list(dict.fromkeys((g.node, g.index) for g in gpus))
+    return {"nodes": [node for node, _ in refs], "idx": [index for _, index in refs]}
+
+
+async def lend(uow: UnitOfWork, reservation_id: str, gpus: Iterable[WireGpuRef]) -> None:
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.lent_gpus (node, idx, reservation_id) "
+        "SELECT n.node, n.idx, :r FROM unnest(CAST(:nodes AS text[]), CAST(:idx AS int[])) "
+        "AS n(node, idx) "
+        "ON CONFLICT (node, idx) DO UPDATE SET reservation_id = EXCLUDED.reservation_id",
+        {"r": reservation_id, **_unnest(gpus)},
+    )
+
+
+async def unlend(uow: UnitOfWork, gpus: Iterable[WireGpuRef]) -> None:
+    await uow.execute(
+        f"DELETE FROM {uow.schema}.lent_gpus g USING "
+        "unnest(CAST(:nodes AS text[]), CAST(:idx AS int[])) AS n(node, idx) "
+        "WHERE n.node = g.node AND n.idx = g.idx",
+        _unnest(gpus),
+    )
+
+
+async def reservations_newest_first(uow: UnitOfWork) -> list[tuple[str, int]]:
+    rows = await uow.execute(
+        f"SELECT reservation_id, count(*) AS gpus FROM {uow.schema}.lent_gpus "
+        "GROUP BY reservation_id ORDER BY max(lent_at) DESC, reservation_id"
+    )
+    return [(r.reservation_id, int(r.gpus)) for r in rows]
+
+
+# --- decisions and evictions -------------------------------------------------------------
+async def decision_in_flight(uow: UnitOfWork) -> bool:
+    result = await uow.execute(
+        f"SELECT 1 FROM {uow.schema}.decisions WHERE status = :s LIMIT 1",
+        {"s": DecisionStatus.IN_FLIGHT},
+    )
+    return result.first() is not None
+
+
+async def add_decision(
+    uow: UnitOfWork,
+    *,
+    decision_id: str,
+    kind: DecisionKind,
+    time: datetime,
+    reservation_id: str | None,
+    inputs: Mapping[str, Any],
+    need: int,
+    victims: Sequence[str],
+    status: DecisionStatus,
+) -> None:
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.decisions (decision_id, kind, time, reservation_id, inputs, "
+        "need, victims, status, finished_at) VALUES (:d, :kind, :t, :r, CAST(:inputs AS jsonb), "
+        ":need, CAST(:victims AS jsonb), :status, :finished)",
+        {
+            "d": decision_id,
+            "kind": kind,
+            "t": time,
+            "r": reservation_id,
+            "inputs": json.dumps(inputs, default=str),
+            "need": need,
+            "victims": json.dumps(list(victims)),
+            "status": status,
+            "finished": time if status is DecisionStatus.DONE else None,
+        },
+    )
+
+
+async def add_victims(uow: UnitOfWork, decision_id: str, victims: Sequence[str]) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.decisions SET victims = victims || CAST(:v AS jsonb) "
+        "WHERE decision_id = :d",
+        {"d": decision_id, "v": json.dumps(list(victims))},
+    )
+
+
+async def finish_decision(uow: UnitOfWork, decision_id: str, at: datetime) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.decisions SET status = :s, finished_at = :t WHERE decision_id = :d",
+        {"s": DecisionStatus.DONE, "t": at, "d": decision_id},
+    )
+
+
+async def add_eviction(
+    uow: UnitOfWork,
+    *,
+    request_id: str,
+    decision_id: str,
+    allocation_id: str,
+    gpus: int,
+    requested_at: datetime,
+    replaces: str | None = None,
+) -> None:
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.evictions (request_id, decision_id, allocation_id, gpus, "
+        "status, replaces, requested_at) VALUES (:r, :d, :a, :g, :s, :rep, :t)",
+        {
+            "r": request_id,
+            "d": decision_id,
+            "a": allocation_id,
+            "g": gpus,
+            "s": EvictionStatus.REQUESTED,
+            "rep": replaces,
+            "t": requested_at,
+        },
+    )
+
+
+async def eviction(uow: UnitOfWork, request_id: str) -> EvictionRow | None:
+    s = uow.schema
+    row = (
+        await uow.execute(
+            f"SELECT e.request_id, e.decision_id, e.allocation_id, e.gpus, e.status, "
+            f"d.reservation_id FROM {s}.evictions e JOIN {s}.decisions d USING (decision_id) "
+            "WHERE e.request_id = :r",
+            {"r": request_id},
+        )
+    ).first()
+    if row is None:
+        return None
+    return EvictionRow(
+        row.request_id,
+        row.decision_id,
+        row.allocation_id,
+        row.gpus,
+        EvictionStatus(row.status),
+        row.reservation_id,
+    )
+
+
+async def finish_eviction(
+    uow: UnitOfWork, request_id: str, status: EvictionStatus, at: datetime
+) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.evictions SET status = :s, finished_at = :t WHERE request_id = :r",
+        {"s": status, "t": at, "r": request_id},
+    )
+
+
+async def open_evictions(uow: UnitOfWork, decision_id: str) -> int:
+    result = await uow.execute(
+        f"SELECT count(*) FROM {uow.schema}.evictions WHERE decision_id = :d AND status = :s",
+        {"d": decision_id, "s": EvictionStatus.REQUESTED},
+    )
+    return int(result.scalar_one())
+
+
+async def tried_allocations(uow: UnitOfWork, decision_id: str) -> list[str]:
+    rows = await uow.execute(
+        f"SELECT allocation_id FROM {uow.schema}.evictions WHERE decision_id = :d",
+        {"d": decision_id},
+    )
+    return [r.allocation_id for r in rows]
+
+
+async def withdrawable_evictions(uow: UnitOfWork) -> tuple[str, ...]:
+    """Open evictions of the decision in flight that were not asked to cancel yet."""
+    rows = await uow.execute(
+        f"SELECT request_id FROM {uow.schema}.evictions "
+        "WHERE status = :s AND withdrawn_at IS NULL ORDER BY requested_at, request_id",
+        {"s": EvictionStatus.REQUESTED},
+    )
+    return tuple(r.request_id for r in rows)
+
+
+async def mark_withdrawn(uow: UnitOfWork, request_ids: Sequence[str], at: datetime) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.evictions SET withdrawn_at = :t WHERE request_id = ANY(:r)",
+        {"t": at, "r": list(request_ids)},
+    )

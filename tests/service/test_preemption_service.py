@@ -1,0 +1,367 @@
+"""The elastic-pool controller on the real NATS and PostgreSQL: ledger events and pool
+snapshots in, reservations, eviction requests and returns out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from tests.support.waiting import eventually, stream_messages
+
+from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
+from gpusched.contracts.messages import (
+    AllocationGranted,
+    CheckpointConfirmed,
+    EvictionAborted,
+    EvictionCompleted,
+    EvictionRequested,
+    GpuRef,
+    GpusReserved,
+    JobKind,
+    PoolSnapshot,
+    PoolState,
+    PriorityClassName,
+    ReserveForInference,
+    ReturnToShared,
+    StageName,
+    T,
+)
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.settings import PreemptionSettings, Settings
+from gpusched.preemption import app
+
+P0, P1, P2 = PriorityClassName.P0_URGENT, PriorityClassName.P1_NORMAL, PriorityClassName.P2_OFFLINE
+
+
+@pytest.fixture
+async def preemption(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    no_cooldown = settings.model_copy(update={"preemption": PreemptionSettings(cooldown_s=0)})
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, no_cooldown, migrations_dir(app.__file__))
+    await runtime.start()
+    await app.build(runtime)
+    task = asyncio.create_task(runtime.run())
+    yield runtime
+    runtime.request_stop()
+    await asyncio.wait_for(task, 15)
+
+
+# --- inputs --------------------------------------------------------------------------------
+async def publish(rt: ServiceRuntime, subject: str, envelope: Envelope) -> Envelope:
+    await rt.js.publish(subject, envelope.to_bytes())
+    return envelope
+
+
+async def event(
+    rt: ServiceRuntime, service: str, message_type: T, data: BaseModel, **kw: str
+) -> Envelope:
+    envelope = make_envelope(message_type, data, source=service, **kw)
+    return await publish(rt, rt.subjects.event(service, message_type), envelope)
+
+
+def refs(node: str, count: int) -> list[GpuRef]:
+    return [GpuRef(node=node, index=i, model="A100-80GB") for i in range(count)]
+
+
+async def grant(
+    rt: ServiceRuntime, allocation_id: str, priority: PriorityClassName, gpus: int = 2
+) -> None:
+    granted = AllocationGranted(
+        allocation_id=allocation_id,
+        job_id=f"job-{allocation_id}",
+        team="research",
+        kind=JobKind.TRAINING,
+        priority_class=priority,
+        pool="shared",
+        gpus=refs(f"node-{allocation_id}", gpus),
+        granted_at=utcnow() - timedelta(hours=1),
+        attempt=1,
+        checkpointable=True,
+    )
+    await event(rt, "admission", T.ALLOCATION_GRANTED, granted)
+
+
+def snapshot(
+    inference_util: float,
+    shared_util: float,
+    *,
+    inference_gpus: int = 4,
+    shared_gpus: int = 8,
+) -> PoolSnapshot:
+    return PoolSnapshot(
+        time=utcnow(),
+        window_s=30,
+        pools=[
+            PoolState(pool="inference", gpus=inference_gpus, util=inference_util,
+                      reporting_gpus=inference_gpus),
+            PoolState(pool="shared", gpus=shared_gpus, util=shared_util,
+                      reporting_gpus=shared_gpus),
+        ],
+    )  # fmt: skip
+
+
+async def send_snapshot(rt: ServiceRuntime, snap: PoolSnapshot) -> Envelope:
+    return await event(rt, "ingest", T.POOL_SNAPSHOT, snap)
+
+
+# --- outputs -------------------------------------------------------------------------------
+async def commands(rt: ServiceRuntime, target: str, message_type: T, n: int) -> list[Envelope]:
+    msgs = await stream_messages(rt.js, rt.subjects.command(target, message_type), n, within=20)
+    return [Envelope.from_bytes(m.data) for m in msgs]
+
+
+async def reserves(rt: ServiceRuntime, n: int) -> list[ReserveForInference]:
+    return [
+        e.payload(ReserveForInference)
+        for e in await commands(rt, "admission", T.RESERVE_FOR_INFERENCE, n)
+    ]
+
+
+async def evictions(rt: ServiceRuntime, n: int) -> list[EvictionRequested]:
+    return [
+        e.payload(EvictionRequested)
+        for e in await commands(rt, "checkpoint", T.EVICTION_REQUESTED, n)
+    ]
+
+
+async def audits(rt: ServiceRuntime, action: str, n: int) -> list[dict[str, Any]]:
+    msgs = await stream_messages(rt.js, rt.subjects.audit(action), n, within=20)
+    return [Envelope.from_bytes(m.data).data for m in msgs]
+
+
+# --- synchronisation on the service's own state --------------------------------------------
+async def scalar(rt: ServiceRuntime, sql: str) -> object:
+    async with rt.uow() as uow:
+        return (await uow.execute(sql.format(s=rt.schema))).scalar_one()
+
+
+async def wait_for(rt: ServiceRuntime, sql: str, expected: object) -> None:
+    async def check() -> bool:
+        return await scalar(rt, sql) == expected
+
+    await eventually(check, within=20)
+
+
+async def allocations_known(rt: ServiceRuntime, count: int) -> None:
+    await wait_for(rt, "SELECT count(*) FROM {s}.allocations", count)
+
+
+async def applied(rt: ServiceRuntime, envelope: Envelope) -> None:
+    await wait_for(rt, f"SELECT count(*) FROM {{s}}.inbox WHERE message_id = '{envelope.id}'", 1)
+
+
+# --- behaviour -----------------------------------------------------------------------------
+async def test_a_hot_inference_pool_evicts_p2_first_and_waits_while_the_decision_is_in_flight(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p1", P1)
+    await grant(preemption, "a-p2", P2)
+    await grant(preemption, "a-p0", P0)
+    await allocations_known(preemption, 3)
+
+    # 0.95 on 4 GPUs: ceil(0.95 * 4 / 0.7) - 4 = 2 GPUs; the shared pool is fully allocated.
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=6))
+
+    [reserve] = await reserves(preemption, 1)
+    assert (reserve.allocation_ids, reserve.free_gpus) == (["a-p2"], 0)
+    [request] = await evictions(preemption, 1)
+    assert (request.allocation_id, request.priority_class, request.gpus) == ("a-p2", P2, 2)
+    assert request.decision_id == reserve.decision_id
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    details = expand["details"]
+    assert details["inference"] == {"gpus": 4, "util": 0.95, "reporting_gpus": 4}
+    assert details["thresholds"]["expand_above"] == 0.8
+    reasons = {c["allocation_id"]: c["reason"] for c in details["candidates"]}
+    assert reasons["a-p2"].startswith("chosen")
+    assert "never preempted" in reasons["a-p0"]
+
+    # Still hot, but one decision is in flight: nothing new.
+    second = await send_snapshot(preemption, snapshot(0.97, 0.9, shared_gpus=6))
+    await applied(preemption, second)
+    assert await scalar(preemption, "SELECT count(*) FROM {s}.decisions") == 1
+    assert await scalar(preemption, "SELECT count(*) FROM {s}.evictions") == 1
+
+
+async def test_an_aborted_eviction_is_replaced_by_another_victim_then_the_pool_shrinks_back(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p1", P1)
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 2)
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+    [first] = await evictions(preemption, 1)
+    [reserve] = await reserves(preemption, 1)
+
+    aborted = EvictionAborted(
+        saga_id="s1", request_id=first.request_id, allocation_id="a-p2", job_id=first.job_id,
+        reason="no checkpoint before the deadline",
+    )  # fmt: skip
+    await event(preemption, "checkpoint", T.EVICTION_ABORTED, aborted)
+
+    _, second = await evictions(preemption, 2)
+    assert (second.allocation_id, second.decision_id) == ("a-p1", first.decision_id)
+    _, again = await reserves(preemption, 2)
+    assert (again.reservation_id, again.allocation_ids) == (reserve.reservation_id, ["a-p1"])
+
+    # Admission lends a-p1's GPUs, pending until the eviction frees them.
+    lent = refs("node-a-p1", 2)
+    await event(
+        preemption, "admission", T.GPUS_RESERVED,
+        GpusReserved(reservation_id=reserve.reservation_id, gpus=lent, pending=lent),
+    )  # fmt: skip
+    completed = EvictionCompleted(
+        saga_id="s2", request_id=second.request_id, allocation_id="a-p1", job_id=second.job_id,
+        checkpoint=None,
+    )  # fmt: skip
+    await event(preemption, "checkpoint", T.EVICTION_COMPLETED, completed)
+    await wait_for(preemption, "SELECT count(*) FROM {s}.decisions WHERE status = 'done'", 1)
+    await wait_for(preemption, "SELECT count(*) FROM {s}.lent_gpus", 2)
+
+    # Cold: 0.2 on 6 GPUs, shared 0.3 -> return floor((0.4 - 0.2) * 6) = 1 GPU.
+    await send_snapshot(preemption, snapshot(0.2, 0.3, inference_gpus=6, shared_gpus=2))
+    [returned] = await commands(preemption, "admission", T.RETURN_TO_SHARED, 1)
+    back = returned.payload(ReturnToShared)
+    assert (back.reservation_id, back.gpus) == (reserve.reservation_id, 1)
+    [shrink] = await audits(preemption, "preempt.shrink", 1)
+    assert shrink["entity"] == back.decision_id
+
+
+async def test_p0_urgent_is_never_evicted_and_the_missing_gpus_are_a_shortfall(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p0", P0, gpus=4)
+    await allocations_known(preemption, 1)
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    [shortfall] = await audits(preemption, "preempt.shortfall", 1)
+    details = shortfall["details"]
+    assert details["missing_gpus"] == 2
+    assert details["victims"] == []
+    assert await scalar(preemption, "SELECT count(*) FROM {s}.evictions") == 0
+    assert await scalar(preemption, "SELECT count(*) FROM {s}.decisions") == 0
+
+
+async def test_an_abort_with_no_other_candidate_raises_a_shortfall_and_ends_the_decision(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p2", P2)
+    await grant(preemption, "a-p0", P0)
+    await allocations_known(preemption, 2)
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+    [request] = await evictions(preemption, 1)
+
+    aborted = EvictionAborted(
+        saga_id="s1", request_id=request.request_id, allocation_id="a-p2", job_id=request.job_id,
+        reason="deadline",
+    )  # fmt: skip
+    await event(preemption, "checkpoint", T.EVICTION_ABORTED, aborted)
+
+    [shortfall] = await audits(preemption, "preempt.shortfall", 1)
+    assert shortfall["entity"] == request.decision_id
+    assert shortfall["details"]["missing_gpus"] == 2
+    await wait_for(preemption, "SELECT status FROM {s}.decisions", "done")
+
+
+async def test_idle_shared_gpus_are_lent_before_anything_is_evicted(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+
+    # 8 shared GPUs, 2 allocated: the 2 needed come from the 6 idle ones.
+    await send_snapshot(preemption, snapshot(0.95, 0.2, shared_gpus=8))
+
+    [reserve] = await reserves(preemption, 1)
+    assert (reserve.allocation_ids, reserve.free_gpus) == ([], 2)
+    await wait_for(preemption, "SELECT status FROM {s}.decisions", "done")
+    assert await scalar(preemption, "SELECT count(*) FROM {s}.evictions") == 0
+
+
+async def test_the_victim_within_a_class_is_the_one_with_least_work_since_its_checkpoint(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-old", P2)
+    await grant(preemption, "a-fresh", P2)
+    await allocations_known(preemption, 2)
+    confirmed = CheckpointConfirmed(
+        request_id=None, checkpoint_id="c1", step=100, uri="s3://ckpt/c1", bytes=1,
+        sha256="0" * 64, stage=StageName.PERSISTED,
+    )  # fmt: skip
+    envelope = make_envelope(
+        T.CHECKPOINT_CONFIRMED, confirmed, source="sdk", correlation_id="job-a-fresh"
+    )
+    await publish(preemption, preemption.subjects.job_events("job-a-fresh"), envelope)
+    await wait_for(
+        preemption,
+        "SELECT count(*) FROM {s}.allocations WHERE last_checkpoint_at IS NOT NULL",
+        1,
+    )
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    [request] = await evictions(preemption, 1)
+    assert request.allocation_id == "a-fresh"
+
+
+async def test_the_same_snapshot_delivered_twice_makes_one_decision(
+    preemption: ServiceRuntime,
+) -> None:
+    # All shared GPUs idle: each decision completes at once, so only the inbox can
+    # keep the copy from deciding again (the cooldown is 0).
+    hot = make_envelope(T.POOL_SNAPSHOT, snapshot(0.95, 0.1), source="ingest")
+    subject = preemption.subjects.event("ingest", T.POOL_SNAPSHOT)
+    await publish(preemption, subject, hot)
+    await publish(preemption, subject, hot)
+    marker = await send_snapshot(preemption, snapshot(0.95, 0.1))
+
+    envelopes = await commands(preemption, "admission", T.RESERVE_FOR_INFERENCE, 2)
+    assert [e.causation_id for e in envelopes] == [hot.id, marker.id]
+
+
+@pytest.mark.parametrize(
+    ("service", "message_type", "subject_kind"),
+    [
+        ("admission", T.ALLOCATION_GRANTED, "event"),
+        ("ingest", T.POOL_SNAPSHOT, "event"),
+        ("checkpoint", T.EVICTION_ABORTED, "event"),
+        ("checkpoint", T.EVICTION_COMPLETED, "event"),
+        ("sdk", T.CHECKPOINT_CONFIRMED, "job"),
+    ],
+)
+async def test_a_malformed_message_on_each_consumed_subject_is_dead_lettered(
+    preemption: ServiceRuntime, service: str, message_type: T, subject_kind: str
+) -> None:
+    s = preemption.subjects
+    subject = s.job_events("j1") if subject_kind == "job" else s.event(service, message_type)
+    raw = json.dumps(
+        {"id": f"bad-{message_type}", "type": message_type, "source": service,
+         "time": "2026-01-01T00:00:00Z", "data": {"unexpected": True}}
+    ).encode()  # fmt: skip
+    await preemption.js.publish(subject, raw)
+
+    [dead] = await stream_messages(preemption.js, s.dead_letter("preemption"), 1)
+    assert dead.data == raw
+    assert dead.headers["Gpusched-Original-Subject"] == subject
+    assert dead.headers["Gpusched-Reason"] == "malformed"
+
+    # The service still works.
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+
+
+async def test_an_outcome_for_an_eviction_never_requested_is_rejected(
+    preemption: ServiceRuntime,
+) -> None:
+    stray = EvictionCompleted(
+        saga_id="s9", request_id="nobody-asked", allocation_id="a9", job_id="j9", checkpoint=None
+    )
+    await event(preemption, "checkpoint", T.EVICTION_COMPLETED, stray)
+
+    [dead] = await stream_messages(preemption.js, preemption.subjects.dead_letter("preemption"), 1)
+    assert dead.headers["Gpusched-Reason"] == "rejected"
