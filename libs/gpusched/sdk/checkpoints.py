@@ -1,0 +1,94 @@
+"""What a saved checkpoint is, and a safe way to write one to a file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import unquote, urlparse
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    """A checkpoint as the control plane records it (checkpoint.confirmed)."""
+
+    checkpoint_id: str
+    step: int
+    uri: str
+    bytes: int
+    sha256: str
+
+
+def save_file_checkpoint(
+    path: str | os.PathLike[str],
+    writer: Callable[[BinaryIO], object],
+    *,
+    step: int,
+    checkpoint_id: str | None = None,
+) -> SavedCheckpoint:
+    """Write a checkpoint file atomically and describe it.
+
+    `writer` gets a binary file open for writing (e.g. `lambda f: torch.save(state, f)`).
+    The data goes to a temporary file in the same directory, is fsynced, then renamed
+    over `path`; so a crash leaves either the old file or the new one, never a torn one,
+    and a confirmed checkpoint is on disk when the confirmation leaves.
+    """
+    target = Path(path).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(target.parent)
+    size, digest = file_digest(target)
+    return SavedCheckpoint(
+        checkpoint_id=checkpoint_id or uuid.uuid4().hex,
+        step=step,
+        uri=target.as_uri(),
+        bytes=size,
+        sha256=digest,
+    )
+
+
+def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def checkpoint_path(uri: str) -> Path:
+    """The local path of a file:// checkpoint URI (what GPUSCHED_RESUME_URI holds)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"not a file:// checkpoint URI: {uri!r}")
+    return Path(unquote(parsed.path))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; not possible everywhere.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

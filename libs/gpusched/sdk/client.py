@@ -1,0 +1,391 @@
+"""The asyncio job client: publish job events, receive control messages.
+
+    async with AsyncJobClient(nats_url, job_id, attempt) as job:
+        await job.started(resumed_from=None)
+        for step in range(steps):
+            await train_step()
+            if (request := job.checkpoint_requested) is not None:
+                await job.handle_checkpoint(request, lambda: save_file_checkpoint(...))
+        await job.completed(step)
+
+Events go to `<p>.jobs.<job_id>.events` through JetStream with Nats-Msg-Id = envelope
+id, so a retried publish is stored once. Control messages come from an ordered
+consumer on `<p>.jobs.<job_id>.control` that starts at the newest message: requests
+addressed to an earlier attempt of the job are not replayed to this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import TracebackType
+from typing import Any, TypeAlias, TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import Error as JetStreamError
+from pydantic import BaseModel
+
+from gpusched.contracts import messages as wire
+from gpusched.contracts.envelope import Envelope, make_envelope
+from gpusched.contracts.errors import MalformedMessage
+from gpusched.contracts.messages import StageName, T
+from gpusched.contracts.subjects import Subjects
+from gpusched.sdk.checkpoints import SavedCheckpoint
+from gpusched.sdk.control import (
+    CheckpointRequest,
+    ControlMessage,
+    PendingCheckpoint,
+    control_message,
+)
+from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
+from gpusched.sdk.errors import CheckpointError, JobClientError
+
+log = logging.getLogger(__name__)
+
+V = TypeVar("V")
+MaybeAwaitable: TypeAlias = V | Awaitable[V]
+SaveFn = Callable[[], MaybeAwaitable[SavedCheckpoint]]
+PersistFn = Callable[[SavedCheckpoint], MaybeAwaitable[SavedCheckpoint]]
+ControlCallback = Callable[[ControlMessage], MaybeAwaitable[None]]
+CheckpointCallback = Callable[[CheckpointRequest], MaybeAwaitable[None]]
+
+_PUBLISH_ATTEMPTS = 3
+A = TypeVar("A")
+
+
+class _Closed:
+    """Marks the end of the control stream in the inbox."""
+
+
+_CLOSED = _Closed()
+
+
+class AsyncJobClient:
+    """One job attempt's link to the control plane (an async context manager).
+
+    `connection` shares an existing NATS connection (the simulated cluster runs many
+    jobs over one); the client then leaves it open when it closes.
+    """
+
+    def __init__(
+        self,
+        nats_url: str,
+        job_id: str,
+        attempt: int,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        source: str = "job",
+        connection: NatsClient | None = None,
+    ) -> None:
+        self.subjects = Subjects(prefix)
+        self.job_id = job_id
+        self.attempt = attempt
+        self._events_subject = self.subjects.job_events(job_id)  # validates the job id
+        self._control_subject = self.subjects.job_control(job_id)
+        self._nats_url = nats_url
+        self._source = source
+        self._nc = connection
+        self._owns_connection = connection is None
+        self._js: JetStreamContext | None = None
+        self._sub: Subscription | None = None
+        self._inbox: asyncio.Queue[ControlMessage | _Closed] = asyncio.Queue()
+        self._pending = PendingCheckpoint()
+        self._on_control: list[ControlCallback] = []
+        self._on_checkpoint: list[CheckpointCallback] = []
+        self._callback_tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
+        env = environment or JobEnvironment.from_environ()
+        return cls(env.nats_url, env.job_id, env.attempt, prefix=env.prefix)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncJobClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        try:
+            if self._nc is None:
+                self._nc = await nats.connect(
+                    self._nats_url,
+                    name=f"gpusched-job-{self.job_id}",
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=5,
+                )
+            self._js = self._nc.jetstream()
+            self._sub = await self._js.subscribe(
+                self._control_subject,
+                cb=self._on_message,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.NEW,
+            )
+        except (NatsError, JetStreamError, OSError) as exc:
+            await self.close()
+            raise JobClientError(
+                f"cannot listen on {self._control_subject}: {exc!r} "
+                "(is the control plane running with this subject prefix?)"
+            ) from exc
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        for task in list(self._callback_tasks):
+            task.cancel()
+        for task in list(self._callback_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._nc is not None and self._owns_connection:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+            self._nc = None
+        self._js = None
+        self._inbox.put_nowait(_CLOSED)
+
+    # --- job events -------------------------------------------------------------------
+    async def started(self, resumed_from: str | None = None) -> None:
+        await self._publish(
+            T.JOB_STARTED,
+            wire.JobStarted(job_id=self.job_id, attempt=self.attempt, resumed_from=resumed_from),
+        )
+
+    async def progress(self, step: int, **metrics: Any) -> None:
+        progress = wire.JobProgress.model_validate({**metrics, "step": step})
+        await self._publish(T.JOB_PROGRESS, progress)
+
+    async def checkpoint_confirmed(
+        self,
+        *,
+        request_id: str | None,
+        checkpoint_id: str,
+        step: int,
+        uri: str,
+        bytes: int,  # the field's name on the wire
+        sha256: str,
+        stage: StageName,
+        causation_id: str | None = None,
+    ) -> None:
+        confirmed = wire.CheckpointConfirmed(
+            request_id=request_id,
+            checkpoint_id=checkpoint_id,
+            step=step,
+            uri=uri,
+            bytes=bytes,
+            sha256=sha256,
+            stage=stage,
+        )
+        await self._publish(T.CHECKPOINT_CONFIRMED, confirmed, causation_id=causation_id)
+
+    async def confirm(
+        self, request: CheckpointRequest | None, saved: SavedCheckpoint, stage: StageName
+    ) -> None:
+        """Confirm `saved` at `stage` for `request` (None: a periodic checkpoint)."""
+        await self.checkpoint_confirmed(
+            request_id=request.request_id if request else None,
+            checkpoint_id=saved.checkpoint_id,
+            step=saved.step,
+            uri=saved.uri,
+            bytes=saved.bytes,
+            sha256=saved.sha256,
+            stage=stage,
+            causation_id=request.message_id if request else None,
+        )
+
+    async def checkpoint_failed(
+        self, request_id: str | None, error: str, *, causation_id: str | None = None
+    ) -> None:
+        await self._publish(
+            T.CHECKPOINT_FAILED,
+            wire.CheckpointFailed(request_id=request_id, error=error[:2000]),
+            causation_id=causation_id,
+        )
+
+    async def completed(self, step: int | None = None) -> None:
+        await self._publish(T.JOB_COMPLETED, wire.JobCompleted(job_id=self.job_id, step=step))
+
+    async def failed(self, error: str) -> None:
+        await self._publish(T.JOB_FAILED, wire.JobFailed(job_id=self.job_id, error=error[:2000]))
+
+    # --- control messages ---------------------------------------------------------------
+    @property
+    def checkpoint_requested(self) -> CheckpointRequest | None:
+        """The checkpoint request still to be answered, if any (cancelled ones vanish)."""
+        return self._pending.peek()
+
+    def on_checkpoint_requested(self, callback: CheckpointCallback) -> None:
+        """Call `callback(request)` for each checkpoint request (sync or async)."""
+        self._on_checkpoint.append(callback)
+
+    def on_control(self, callback: ControlCallback) -> None:
+        """Call `callback(message)` for every control message (sync or async)."""
+        self._on_control.append(callback)
+
+    def poll_control(self) -> ControlMessage | None:
+        """The oldest control message not yet taken, without waiting."""
+        try:
+            item = self._inbox.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        return self._unwrap(item)
+
+    async def next_control(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 - a bounded poll reads best in a loop
+    ) -> ControlMessage | None:
+        """The next control message; None after `timeout` seconds or once closed."""
+        if not self._inbox.empty():
+            return self._unwrap(self._inbox.get_nowait())
+        try:
+            item = await asyncio.wait_for(self._inbox.get(), timeout)
+        except TimeoutError:
+            return None
+        return self._unwrap(item)
+
+    async def control_messages(self) -> AsyncIterator[ControlMessage]:
+        """Every control message in arrival order, until the client closes."""
+        while (message := await self.next_control()) is not None:
+            yield message
+
+    def _unwrap(self, item: ControlMessage | _Closed) -> ControlMessage | None:
+        if isinstance(item, _Closed):
+            self._inbox.put_nowait(item)  # every later reader sees the end too
+            return None
+        return item
+
+    # --- checkpointing ------------------------------------------------------------------
+    async def handle_checkpoint(
+        self,
+        request: CheckpointRequest | None,
+        save: SaveFn,
+        *,
+        persist: PersistFn | None = None,
+    ) -> SavedCheckpoint:
+        """Save, then confirm the checkpoint twice: snapshotted, then persisted.
+
+        `save()` captures the training state (sync or async) and returns what it wrote;
+        `persist(saved)`, if given, makes it durable elsewhere (e.g. uploads it) and
+        returns the durable copy. Without `persist`, what `save` wrote is taken to be
+        durable already (save_file_checkpoint fsyncs). A failure publishes
+        checkpoint.failed and raises CheckpointError. `request=None` is a periodic
+        checkpoint.
+        """
+        self._pending.take(request)
+        saved = await self._attempt(request, "save", save)
+        await self.confirm(request, saved, StageName.SNAPSHOTTED)
+        if persist is not None:
+            snapshot = saved
+            saved = await self._attempt(request, "persist", lambda: persist(snapshot))
+        await self.confirm(request, saved, StageName.PERSISTED)
+        return saved
+
+    def take_checkpoint_request(self, request: CheckpointRequest | None) -> None:
+        """Mark `request` as being answered (what handle_checkpoint does first)."""
+        self._pending.take(request)
+
+    async def _attempt(
+        self,
+        request: CheckpointRequest | None,
+        what: str,
+        fn: Callable[[], MaybeAwaitable[SavedCheckpoint]],
+    ) -> SavedCheckpoint:
+        try:
+            result = fn()
+            saved = await result if inspect.isawaitable(result) else result
+            if not isinstance(saved, SavedCheckpoint):
+                raise TypeError(f"{what} returned {type(saved).__name__}, not SavedCheckpoint")
+        except Exception as exc:
+            await self.checkpoint_failed(
+                request.request_id if request else None,
+                f"{what} failed: {type(exc).__name__}: {exc}",
+                causation_id=request.message_id if request else None,
+            )
+            raise CheckpointError(f"checkpoint {what} failed: {exc}") from exc
+        return saved
+
+    # --- plumbing -----------------------------------------------------------------------
+    async def _publish(
+        self, message_type: str, payload: BaseModel, *, causation_id: str | None = None
+    ) -> None:
+        if self._js is None:
+            raise JobClientError("the job client is not connected (use `async with`)")
+        envelope = make_envelope(
+            message_type,
+            payload,
+            source=self._source,
+            correlation_id=self.job_id,
+            causation_id=causation_id,
+        )
+        data = envelope.to_bytes()
+        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
+            try:
+                # The same envelope id on a retry lets JetStream drop a duplicate.
+                await self._js.publish(
+                    self._events_subject, data, headers={"Nats-Msg-Id": envelope.id}
+                )
+                return
+            except (NatsError, JetStreamError) as exc:
+                if attempt == _PUBLISH_ATTEMPTS:
+                    raise JobClientError(
+                        f"cannot publish {message_type} to {self._events_subject}: {exc!r}"
+                    ) from exc
+                await asyncio.sleep(0.2 * attempt)
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            message = control_message(Envelope.from_bytes(msg.data))
+        except MalformedMessage as exc:
+            log.warning("ignoring a malformed control message on %s: %s", msg.subject, exc)
+            return
+        if message is None:
+            return  # a control type newer than this SDK
+        if isinstance(message, CheckpointRequest) and message.job_id != self.job_id:
+            log.warning("ignoring a checkpoint request for job %s", message.job_id)
+            return
+        self._pending.apply(message)
+        self._inbox.put_nowait(message)
+        for on_control in self._on_control:
+            self._run_callback(on_control, message)
+        if isinstance(message, CheckpointRequest):
+            for on_checkpoint in self._on_checkpoint:
+                self._run_callback(on_checkpoint, message)
+
+    def _run_callback(self, callback: Callable[[A], MaybeAwaitable[None]], arg: A) -> None:
+        try:
+            result = callback(arg)
+        except Exception:
+            log.exception("control callback failed")
+            return
+        if inspect.isawaitable(result):
+            # A callback may checkpoint for minutes; it must not hold up delivery.
+            task = asyncio.ensure_future(_logged(result))
+            self._callback_tasks.add(task)
+            task.add_done_callback(self._callback_tasks.discard)
+
+
+async def _logged(result: Awaitable[None]) -> None:
+    try:
+        await result
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("control callback failed")

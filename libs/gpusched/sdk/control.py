@@ -1,0 +1,101 @@
+"""Control messages a job receives, as the SDK hands them to a training loop."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gpusched.contracts import messages as wire
+from gpusched.contracts.envelope import Envelope
+from gpusched.contracts.messages import StageName, T
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRequest:
+    """Save a checkpoint now: the control plane wants these GPUs back by `deadline`."""
+
+    request_id: str
+    job_id: str
+    reason: str
+    deadline: datetime
+    stage_required: StageName
+    message_id: str | None = None  # the request's envelope id; the confirmation cites it
+
+    def seconds_left(self, now: datetime | None = None) -> float:
+        """Seconds until the deadline (negative once it has passed)."""
+        return (self.deadline - (now or datetime.now(UTC))).total_seconds()
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCancelled:
+    """The eviction behind `request_id` is off: keep training."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeRequest:
+    """Continue from this checkpoint."""
+
+    checkpoint_id: str
+    uri: str
+
+
+ControlMessage = CheckpointRequest | PreemptionCancelled | ResumeRequest
+
+
+def control_message(envelope: Envelope) -> ControlMessage | None:
+    """The SDK view of a control envelope; None for a type this SDK does not know.
+
+    Raises MalformedMessage when a known type's payload does not fit its schema.
+    """
+    if envelope.type == T.CHECKPOINT_REQUESTED:
+        req = envelope.payload(wire.CheckpointRequested)
+        return CheckpointRequest(
+            request_id=req.request_id,
+            job_id=req.job_id,
+            reason=req.reason,
+            deadline=req.deadline,
+            stage_required=req.stage_required,
+            message_id=envelope.id,
+        )
+    if envelope.type == T.PREEMPTION_CANCELLED:
+        return PreemptionCancelled(envelope.payload(wire.PreemptionCancelled).request_id)
+    if envelope.type == T.RESUME:
+        resume = envelope.payload(wire.Resume)
+        return ResumeRequest(resume.checkpoint_id, resume.uri)
+    return None
+
+
+class PendingCheckpoint:
+    """The checkpoint request a loop still has to answer, readable from any thread.
+
+    A newer request replaces an older one (one checkpoint answers both); a cancellation
+    withdraws only the request it names; taking it hands it to exactly one caller.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._request: CheckpointRequest | None = None
+
+    def apply(self, message: ControlMessage) -> None:
+        with self._lock:
+            if isinstance(message, CheckpointRequest):
+                self._request = message
+            elif (
+                isinstance(message, PreemptionCancelled)
+                and self._request is not None
+                and self._request.request_id == message.request_id
+            ):
+                self._request = None
+
+    def peek(self) -> CheckpointRequest | None:
+        with self._lock:
+            return self._request
+
+    def take(self, request: CheckpointRequest | None) -> None:
+        """Mark `request` as being answered (no-op if a newer one has replaced it)."""
+        with self._lock:
+            if request is not None and self._request == request:
+                self._request = None

@@ -1,0 +1,72 @@
+"""How a launched job learns where it runs: the environment the cluster agent sets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from gpusched.sdk.errors import JobClientError
+
+
+class EnvVar(StrEnum):
+    NATS_URL = "GPUSCHED_NATS_URL"
+    SUBJECT_PREFIX = "GPUSCHED_SUBJECT_PREFIX"
+    JOB_ID = "GPUSCHED_JOB_ID"
+    ATTEMPT = "GPUSCHED_ATTEMPT"
+    RESUME_URI = "GPUSCHED_RESUME_URI"
+    RESUME_CHECKPOINT_ID = "GPUSCHED_RESUME_CHECKPOINT_ID"
+    CHECKPOINT_DIR = "GPUSCHED_CHECKPOINT_DIR"
+
+
+DEFAULT_PREFIX = "gpusched"
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnvironment:
+    nats_url: str
+    job_id: str
+    attempt: int
+    prefix: str = DEFAULT_PREFIX
+    resume_uri: str | None = None
+    resume_checkpoint_id: str | None = None
+    checkpoint_dir: Path | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
+        env = os.environ if environ is None else environ
+        missing = [v.value for v in (EnvVar.NATS_URL, EnvVar.JOB_ID) if not env.get(v)]
+        if missing:
+            raise JobClientError(
+                f"{', '.join(missing)} not set: this process was not launched by a gpusched "
+                "agent (set them by hand to run it against a control plane)"
+            )
+        attempt_text = env.get(EnvVar.ATTEMPT) or "1"
+        try:
+            attempt = int(attempt_text)
+        except ValueError:
+            raise JobClientError(f"{EnvVar.ATTEMPT}={attempt_text!r} is not a number") from None
+        checkpoint_dir = env.get(EnvVar.CHECKPOINT_DIR)
+        return cls(
+            nats_url=env[EnvVar.NATS_URL],
+            job_id=env[EnvVar.JOB_ID],
+            attempt=attempt,
+            prefix=env.get(EnvVar.SUBJECT_PREFIX) or DEFAULT_PREFIX,
+            resume_uri=env.get(EnvVar.RESUME_URI) or None,
+            resume_checkpoint_id=env.get(EnvVar.RESUME_CHECKPOINT_ID) or None,
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables for a child process; absent values are empty, not inherited."""
+        return {
+            EnvVar.NATS_URL: self.nats_url,
+            EnvVar.SUBJECT_PREFIX: self.prefix,
+            EnvVar.JOB_ID: self.job_id,
+            EnvVar.ATTEMPT: str(self.attempt),
+            EnvVar.RESUME_URI: self.resume_uri or "",
+            EnvVar.RESUME_CHECKPOINT_ID: self.resume_checkpoint_id or "",
+            EnvVar.CHECKPOINT_DIR: str(self.checkpoint_dir) if self.checkpoint_dir else "",
+        }

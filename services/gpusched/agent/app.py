@@ -1,0 +1,55 @@
+"""Composition root of the cluster agent (the simulated cluster).
+
+It has no database of its own: the runtime runs without migrations, consumers use
+edge handlers (no unit of work, no inbox), and events are published straight to
+JetStream with deterministic ids instead of through an outbox.
+"""
+
+from __future__ import annotations
+
+from gpusched.agent.feed import follow_admission
+from gpusched.agent.handlers import ClusterAgent
+from gpusched.agent.publisher import Publisher
+from gpusched.contracts.messages import T
+from gpusched.infra import bus
+from gpusched.infra.runtime import ServiceRuntime, run_service
+from gpusched.infra.settings import Settings
+from gpusched.simcluster.demand import SIM_DEMAND
+
+NAME = "agent"
+SCHEMA = "agent"
+# How often the workload supervisor wakes when idle; it mostly waits for shutdown.
+_SUPERVISE_INTERVAL_S = 1.0
+
+
+async def build(rt: ServiceRuntime) -> None:
+    await start_agent(rt)
+
+
+async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
+    """Wire the agent into a started runtime; returns it (tests drive and close it)."""
+    s = rt.subjects
+    nats_url, _ = rt.settings.require_urls()
+    agent = ClusterAgent(
+        Publisher(rt.js, NAME), s, rt.settings.agent, nats_url=nats_url, connection=rt.nc
+    )
+    rt.consume(
+        bus.Consumer(
+            durable="agent-commands",
+            stream=s.stream("COMMANDS"),
+            subjects=[s.commands_for(NAME)],
+            edge_handlers={
+                T.START_WORKLOAD: agent.on_start,
+                T.EVICT_WORKLOAD: agent.on_evict,
+                SIM_DEMAND: agent.on_sim_demand,
+            },
+        )
+    )
+    await follow_admission(rt.js, s, agent.on_admission_event)
+    rt.every("telemetry", rt.settings.agent.telemetry_interval_s, agent.publish_telemetry)
+    rt.every("workloads", _SUPERVISE_INTERVAL_S, agent.supervise)
+    return agent
+
+
+def main() -> None:
+    run_service(ServiceRuntime(NAME, SCHEMA, Settings(), None), build)

@@ -1,0 +1,376 @@
+"""The cluster agent's edge handlers: start and evict workloads, report the cluster.
+
+Every handler is idempotent by itself (there is no inbox at the edge): a start for an
+allocation already known is not started twice, an evict for a workload already gone
+answers with how it ended, and events carry deterministic ids (publisher.event_id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+
+from gpusched.agent.publisher import Publisher, event_id
+from gpusched.agent.workloads import (
+    ProcessWorkload,
+    SimWorkload,
+    Workload,
+    WorkloadExit,
+    WorkloadLaunchError,
+)
+from gpusched.contracts import messages as wire
+from gpusched.contracts.envelope import Envelope, utcnow
+from gpusched.contracts.messages import (
+    AllocationReleased,
+    EvictFailed,
+    EvictWorkload,
+    GpusReserved,
+    GpusReturned,
+    InferenceStats,
+    InventoryLoaded,
+    StartWorkload,
+    StopReason,
+    T,
+    WorkloadStarted,
+    WorkloadStopped,
+)
+from gpusched.contracts.subjects import Subjects
+from gpusched.domain.inventory import GpuRef
+from gpusched.infra.settings import AgentSettings
+from gpusched.simcluster.cluster import ClusterView, gpu_samples
+from gpusched.simcluster.demand import InferenceDemand
+from gpusched.simcluster.load import inference_load
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = "chat"
+_REMEMBERED_STOPS = 10_000
+_SHUTDOWN_PUBLISH_S = 2.0
+
+
+class Phase(StrEnum):
+    RUNNING = "running"
+    STOPPING = "stopping"  # the agent is ending it; its own exit is not news
+
+
+@dataclass
+class _Running:
+    start: StartWorkload
+    workload: Workload
+    started: Envelope
+    phase: Phase = Phase.RUNNING
+    watcher: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class _Stopped:
+    job_id: str
+    reason: StopReason
+    stopped_at: datetime
+    exit_code: int | None
+
+
+class ClusterAgent:
+    def __init__(
+        self,
+        publisher: Publisher,
+        subjects: Subjects,
+        settings: AgentSettings,
+        *,
+        nats_url: str,
+        connection: NatsClient,
+        evict_grace_s: float = 10.0,
+        shutdown_grace_s: float = 3.0,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._publisher = publisher
+        self._s = subjects
+        self._settings = settings
+        self._workdir = Path(settings.workdir).resolve()
+        self._nats_url = nats_url
+        self._nc = connection
+        self._evict_grace_s = evict_grace_s
+        self._shutdown_grace_s = shutdown_grace_s
+        self._now = clock
+        self.view = ClusterView()
+        self.demand_gpus = 0.0
+        self._running: dict[str, _Running] = {}
+        self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
+        self._tick = 0
+        self._closing = False
+        self._closed = asyncio.Event()
+
+    @property
+    def running_allocations(self) -> list[str]:
+        return list(self._running)
+
+    # --- commands ---------------------------------------------------------------------
+    async def on_start(self, envelope: Envelope) -> None:
+        start = envelope.payload(StartWorkload)
+        alloc = start.allocation_id
+        if self._closing:
+            raise RuntimeError("the agent is shutting down")  # redelivered to the next agent
+        if (entry := self._running.get(alloc)) is not None:
+            # A redelivery: its first delivery may have failed to report the start.
+            await self._publisher.send(self._s.event("agent", T.WORKLOAD_STARTED), entry.started)
+            return
+        if alloc in self._stopped:
+            log.info("ignoring a start for allocation %s, which already ran", alloc)
+            return
+        workload = self._make_workload(start)
+        try:
+            await workload.launch()
+        except WorkloadLaunchError as exc:
+            log.warning("cannot start %s (job %s): %s", alloc, start.job_id, exc)
+            failed = WorkloadExit(StopReason.FAILED, error=str(exc))
+            await self._report_stop(start, failed, saga_id=None, causation_id=envelope.id)
+            return
+        node = start.gpus[0].node if start.gpus else ""
+        started = self._publisher.envelope(
+            T.WORKLOAD_STARTED,
+            WorkloadStarted(
+                allocation_id=alloc, job_id=start.job_id, node=node, started_at=self._now()
+            ),
+            correlation_id=start.job_id,
+            causation_id=envelope.id,
+            envelope_id=event_id(alloc, "started"),
+        )
+        # Tracked before the report goes out: if publishing fails, the redelivered
+        # command finds the workload running and reports it again.
+        entry = _Running(start, workload, started)
+        self._running[alloc] = entry
+        entry.watcher = asyncio.create_task(self._watch(entry), name=f"watch-{alloc}")
+        log.info(
+            "started %s workload for job %s (allocation %s)",
+            start.workload.kind,
+            start.job_id,
+            alloc,
+        )
+        await self._publisher.send(self._s.event("agent", T.WORKLOAD_STARTED), started)
+
+    async def on_evict(self, envelope: Envelope) -> None:
+        evict = envelope.payload(EvictWorkload)
+        alloc = evict.allocation_id
+        entry = self._running.get(alloc)
+        if entry is not None and entry.start.job_id != evict.job_id:
+            await self._evict_failed(
+                evict, envelope.id, f"allocation {alloc} runs job {entry.start.job_id}"
+            )
+            return
+        if entry is None:
+            stopped = self._stopped.get(alloc)
+            if stopped is None:
+                await self._evict_failed(evict, envelope.id, "no such workload on this cluster")
+            else:
+                # Already gone (a redelivered evict, or it ended on its own first):
+                # answer with how it ended, for this saga.
+                await self._publish_stop(
+                    alloc, stopped, saga_id=evict.saga_id, causation_id=envelope.id
+                )
+            return
+        if entry.phase is Phase.STOPPING:
+            return  # the agent is already ending it and will report it
+        entry.phase = Phase.STOPPING
+        exit_code = await entry.workload.stop(self._evict_grace_s)
+        await self._forget_watcher(entry)
+        log.info("evicted job %s (allocation %s, saga %s)", evict.job_id, alloc, evict.saga_id)
+        await self._report_stop(
+            entry.start,
+            WorkloadExit(StopReason.EVICTED, exit_code=exit_code),
+            saga_id=evict.saga_id,
+            causation_id=envelope.id,
+        )
+
+    async def on_sim_demand(self, envelope: Envelope) -> None:
+        self.demand_gpus = envelope.payload(InferenceDemand).gpus
+        log.info("simulated inference demand is now %.2f GPUs", self.demand_gpus)
+
+    # --- admission's events: what exists and what serves inference ---------------------
+    async def on_admission_event(self, envelope: Envelope) -> None:
+        if envelope.type == T.INVENTORY_LOADED:
+            self.view.apply_inventory(envelope.payload(InventoryLoaded).nodes)
+        elif envelope.type == T.GPUS_RESERVED:
+            reserved = envelope.payload(GpusReserved)
+            self.view.apply_reserved(
+                reserved.reservation_id, _refs(reserved.gpus), _refs(reserved.pending)
+            )
+        elif envelope.type == T.GPUS_RETURNED:
+            returned = envelope.payload(GpusReturned)
+            self.view.apply_returned(returned.reservation_id, _refs(returned.gpus))
+        elif envelope.type == T.ALLOCATION_RELEASED:
+            self.view.apply_released(_refs(envelope.payload(AllocationReleased).gpus))
+
+    # --- telemetry ----------------------------------------------------------------------
+    async def publish_telemetry(self) -> None:
+        if self._closing:
+            return
+        self._tick += 1
+        now = self._now()
+        training = {GpuRef(g.node, g.index) for e in self._running.values() for g in e.start.gpus}
+        models = {g.node: g.model for e in self._running.values() for g in e.start.gpus}
+        for sample in gpu_samples(self.view, training, self.demand_gpus, self._tick, now, models):
+            await self._publisher.publish(self._s.telemetry_gpu(sample.node), T.GPU_SAMPLE, sample)
+        serving = len(self.view.serving_gpus())
+        if serving == 0:
+            return  # no inference service is deployed yet
+        window = self._settings.telemetry_interval_s
+        load = inference_load(self.demand_gpus, serving, window)
+        stats = InferenceStats(
+            service=INFERENCE_SERVICE,
+            time=now,
+            window_s=window,
+            requests=load.requests,
+            queue_depth=load.queue_depth,
+            p50_ms=round(load.p50_ms, 3),
+            p99_ms=round(load.p99_ms, 3),
+        )
+        await self._publisher.publish(
+            self._s.telemetry_inference(INFERENCE_SERVICE), T.INFERENCE_STATS, stats
+        )
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def supervise(self) -> None:
+        """Runs for the agent's life; when the runtime stops (cancels it), no workload
+        outlives the agent."""
+        try:
+            await self._closed.wait()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop every workload (processes get SIGTERM, then SIGKILL) and report them."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            entries = [e for e in self._running.values() if e.phase is Phase.RUNNING]
+            for entry in entries:
+                entry.phase = Phase.STOPPING
+            codes = await asyncio.gather(
+                *(e.workload.stop(self._shutdown_grace_s) for e in entries),
+                return_exceptions=True,
+            )
+            for entry, code in zip(entries, codes, strict=True):
+                await self._forget_watcher(entry)
+                exit_code = code if isinstance(code, int) else None
+                with contextlib.suppress(Exception):
+                    # The cluster goes away with the agent; say so if the bus still listens.
+                    await asyncio.wait_for(
+                        self._report_stop(
+                            entry.start,
+                            WorkloadExit(StopReason.FAILED, exit_code, "the cluster agent stopped"),
+                            saga_id=None,
+                            causation_id=None,
+                        ),
+                        _SHUTDOWN_PUBLISH_S,
+                    )
+        finally:
+            self._running.clear()
+            self._closed.set()
+
+    # --- plumbing -----------------------------------------------------------------------
+    def _make_workload(self, start: StartWorkload) -> Workload:
+        if start.workload.kind == "process":
+            return ProcessWorkload(
+                start, nats_url=self._nats_url, prefix=self._s.prefix, workdir=self._workdir
+            )
+        return SimWorkload(
+            start,
+            connection=self._nc,
+            prefix=self._s.prefix,
+            workdir=self._workdir,
+            time_scale=self._settings.time_scale,
+        )
+
+    async def _watch(self, entry: _Running) -> None:
+        try:
+            result = await entry.workload.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("workload %s crashed", entry.start.allocation_id)
+            result = WorkloadExit(StopReason.FAILED, error=repr(exc))
+        if entry.phase is not Phase.RUNNING:
+            return  # an evict or the shutdown is ending it and reports it
+        entry.phase = Phase.STOPPING
+        log.info(
+            "job %s %s (allocation %s): %s",
+            entry.start.job_id,
+            result.reason.value,
+            entry.start.allocation_id,
+            result.error or "exit code 0",
+        )
+        await self._report_stop(entry.start, result, saga_id=None, causation_id=None)
+
+    async def _forget_watcher(self, entry: _Running) -> None:
+        watcher, entry.watcher = entry.watcher, None
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+    async def _report_stop(
+        self,
+        start: StartWorkload,
+        result: WorkloadExit,
+        *,
+        saga_id: str | None,
+        causation_id: str | None,
+    ) -> None:
+        alloc = start.allocation_id
+        stopped = _Stopped(start.job_id, result.reason, self._now(), result.exit_code)
+        # Recorded before publishing: a redelivered evict finds it and publishes again.
+        self._running.pop(alloc, None)
+        self._stopped[alloc] = stopped
+        while len(self._stopped) > _REMEMBERED_STOPS:
+            self._stopped.popitem(last=False)
+        await self._publish_stop(alloc, stopped, saga_id=saga_id, causation_id=causation_id)
+
+    async def _publish_stop(
+        self, alloc: str, stopped: _Stopped, *, saga_id: str | None, causation_id: str | None
+    ) -> None:
+        await self._publisher.publish(
+            self._s.event("agent", T.WORKLOAD_STOPPED),
+            T.WORKLOAD_STOPPED,
+            WorkloadStopped(
+                allocation_id=alloc,
+                job_id=stopped.job_id,
+                reason=stopped.reason,
+                stopped_at=stopped.stopped_at,
+                exit_code=stopped.exit_code,
+                saga_id=saga_id,
+            ),
+            correlation_id=saga_id or stopped.job_id,
+            causation_id=causation_id,
+            envelope_id=event_id(alloc, "stopped", saga_id or ""),
+        )
+
+    async def _evict_failed(self, evict: EvictWorkload, causation_id: str, error: str) -> None:
+        log.warning("cannot evict %s (saga %s): %s", evict.allocation_id, evict.saga_id, error)
+        await self._publisher.publish(
+            self._s.event("agent", T.EVICT_FAILED),
+            T.EVICT_FAILED,
+            EvictFailed(
+                allocation_id=evict.allocation_id,
+                job_id=evict.job_id,
+                saga_id=evict.saga_id,
+                error=error,
+            ),
+            correlation_id=evict.saga_id,
+            causation_id=causation_id,
+            envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id),
+        )
+
+
+def _refs(gpus: Iterable[wire.GpuRef]) -> list[GpuRef]:
+    return [GpuRef(g.node, g.index) for g in gpus]

@@ -1,0 +1,276 @@
+"""The workloads the simulated cluster runs: a virtual training loop or a real process.
+
+Both behave like a job on a real cluster: they speak to the control plane only through
+the SDK (over NATS), never through the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from nats.aio.client import Client as NatsClient
+
+from gpusched.contracts.messages import StartWorkload, StopReason
+from gpusched.infra.supervisor import spawn_bound_child, terminate
+from gpusched.sdk import (
+    AsyncJobClient,
+    CheckpointError,
+    CheckpointRequest,
+    JobClientError,
+    JobEnvironment,
+    PreemptionCancelled,
+    ResumeRequest,
+    SavedCheckpoint,
+    checkpoint_path,
+    file_digest,
+    save_file_checkpoint,
+)
+from gpusched.simcluster.training import CheckpointContentError, VirtualLoop, checkpoint_document
+from gpusched.simcluster.training import checkpoint_step as read_checkpoint_step
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+# Interpreter names in argv that mean "the Python this agent runs on", which has the SDK.
+_PYTHON_NAMES = frozenset({"python", "python3"})
+
+
+class WorkloadLaunchError(Exception):
+    """The workload could not be started at all (bad command, unreadable checkpoint)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadExit:
+    reason: StopReason
+    exit_code: int | None = None
+    error: str | None = None
+
+
+class Workload(Protocol):
+    async def launch(self) -> None:
+        """Start it; raises WorkloadLaunchError if it cannot run at all."""
+
+    async def wait(self) -> WorkloadExit:
+        """Until it ends by itself."""
+
+    async def stop(self, grace_s: float) -> int | None:
+        """End it now (exit code, if it has one)."""
+
+
+def job_dir(workdir: Path, job_id: str) -> Path:
+    return workdir / job_id
+
+
+# ======================================================================================
+# A virtual training loop, driven through the real SDK
+# ======================================================================================
+class SimWorkload:
+    def __init__(
+        self,
+        start: StartWorkload,
+        *,
+        connection: NatsClient,
+        prefix: str,
+        workdir: Path,
+        time_scale: float,
+    ) -> None:
+        spec = start.workload
+        self._start = start
+        self._loop = VirtualLoop(spec.steps, spec.step_seconds, spec.checkpoint_seconds, time_scale)
+        self._dir = job_dir(workdir, start.job_id)
+        self._job = AsyncJobClient(
+            "", start.job_id, start.attempt, prefix=prefix, connection=connection
+        )
+        self._task: asyncio.Task[WorkloadExit] | None = None
+
+    async def launch(self) -> None:
+        # Listening before the agent reports the workload started: a control message
+        # sent right after that report is not lost.
+        try:
+            await self._job.connect()
+        except JobClientError as exc:
+            raise WorkloadLaunchError(str(exc)) from exc
+        self._task = asyncio.create_task(self._run(), name=f"sim-{self._start.allocation_id}")
+
+    async def wait(self) -> WorkloadExit:
+        assert self._task is not None
+        return await asyncio.shield(self._task)
+
+    async def stop(self, grace_s: float) -> int | None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self._job.close()
+        return None
+
+    async def _run(self) -> WorkloadExit:
+        job, loop = self._job, self._loop
+        try:
+            try:
+                step = self._resume_step()
+            except (OSError, ValueError) as exc:
+                await job.failed(f"cannot resume: {exc}")
+                return WorkloadExit(StopReason.FAILED, error=str(exc))
+            resumed = self._start.resume_from
+            await job.started(resumed_from=resumed.checkpoint_id if resumed else None)
+            clock = asyncio.get_running_loop()
+            next_step_at = clock.time() + loop.step_interval_s
+            reported = step
+            while not loop.is_done(step):
+                message = await job.next_control(max(0.0, next_step_at - clock.time()))
+                if isinstance(message, CheckpointRequest):
+                    await self._checkpoint(message, step)
+                    # Training stood still while it checkpointed.
+                    next_step_at = clock.time() + loop.step_interval_s
+                elif isinstance(message, ResumeRequest):
+                    try:
+                        step = reported = self._checkpoint_step(message.uri, None)
+                    except (OSError, ValueError) as exc:
+                        log.warning("job %s cannot resume from %s: %s", job.job_id, message, exc)
+                elif isinstance(message, PreemptionCancelled):
+                    log.info("job %s keeps training: %s cancelled", job.job_id, message.request_id)
+                while clock.time() >= next_step_at and not loop.is_done(step):
+                    step += 1
+                    next_step_at += loop.step_interval_s
+                every = loop.progress_every
+                if step != reported and (step // every > reported // every or loop.is_done(step)):
+                    reported = step
+                    await job.progress(step, loss=loop.loss(step))
+            await job.completed(step)
+            return WorkloadExit(StopReason.COMPLETED, exit_code=0)
+        except JobClientError as exc:
+            log.warning("sim job %s lost the control plane: %s", job.job_id, exc)
+            return WorkloadExit(StopReason.FAILED, error=str(exc))
+        finally:
+            await job.close()
+
+    def _resume_step(self) -> int:
+        resume = self._start.resume_from
+        if resume is None:
+            return 0
+        return self._checkpoint_step(resume.uri, resume.sha256)
+
+    def _checkpoint_step(self, uri: str, sha256: str | None) -> int:
+        path = checkpoint_path(uri)
+        _, digest = file_digest(path)
+        if sha256 is not None and digest != sha256:
+            raise CheckpointContentError(f"{uri} does not match its sha256 {sha256}")
+        return read_checkpoint_step(path.read_bytes(), self._start.job_id)
+
+    async def _checkpoint(self, request: CheckpointRequest, step: int) -> None:
+        job_id = self._start.job_id
+        document = checkpoint_document(job_id, step)
+        path = self._dir / f"ckpt-{step}.json"
+
+        async def save() -> SavedCheckpoint:
+            return await asyncio.to_thread(
+                save_file_checkpoint,
+                path,
+                lambda f: f.write(document),
+                step=step,
+                checkpoint_id=f"{job_id}-step-{step}",
+            )
+
+        async def persist(saved: SavedCheckpoint) -> SavedCheckpoint:
+            # Copying to durable storage takes the job's configured checkpoint time.
+            await asyncio.sleep(self._loop.checkpoint_interval_s)
+            return saved
+
+        try:
+            await self._job.handle_checkpoint(request, save, persist=persist)
+        except CheckpointError as exc:
+            log.warning("sim job %s could not checkpoint: %s", job_id, exc)
+
+
+# ======================================================================================
+# A real process (e.g. a PyTorch script using the sync SDK)
+# ======================================================================================
+class ProcessWorkload:
+    def __init__(
+        self,
+        start: StartWorkload,
+        *,
+        nats_url: str,
+        prefix: str,
+        workdir: Path,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._start = start
+        self._dir = job_dir(workdir, start.job_id)
+        resume = start.resume_from
+        self._env = JobEnvironment(
+            nats_url=nats_url,
+            job_id=start.job_id,
+            attempt=start.attempt,
+            prefix=prefix,
+            resume_uri=resume.uri if resume else None,
+            resume_checkpoint_id=resume.checkpoint_id if resume else None,
+            checkpoint_dir=self._dir,
+        )
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def _argv(self) -> list[str]:
+        argv = list(self._start.workload.argv)
+        if not argv:
+            raise WorkloadLaunchError("a process workload needs argv")
+        if argv[0] in _PYTHON_NAMES:
+            argv[0] = sys.executable
+        return argv
+
+    def _child_env(self) -> dict[str, str]:
+        # The agent's own GPUSCHED_* settings (database URL included) stay with the agent.
+        env = {k: v for k, v in self._base_env.items() if not k.startswith("GPUSCHED_")}
+        env.update(self._env.to_environ())
+        return env
+
+    async def launch(self) -> None:
+        argv = self._argv()
+        self._dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._dir / f"attempt-{self._start.attempt}.log"
+        try:
+            with log_path.open("ab") as out:
+                self._process = await asyncio.to_thread(
+                    spawn_bound_child,
+                    argv,
+                    env=self._child_env(),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+        except OSError as exc:
+            raise WorkloadLaunchError(f"cannot run {argv[0]!r}: {exc}") from exc
+
+    async def wait(self) -> WorkloadExit:
+        process = self._process
+        assert process is not None
+        # Popen offers no awaitable exit, and a thread blocked in wait() per job would
+        # exhaust the default executor; a poll every 0.1 s is cheap next to a step.
+        while (code := process.poll()) is None:  # noqa: ASYNC110
+            await asyncio.sleep(_POLL_S)
+        if code == 0:
+            return WorkloadExit(StopReason.COMPLETED, exit_code=0)
+        return WorkloadExit(StopReason.FAILED, exit_code=code, error=f"exit code {code}")
+
+    async def stop(self, grace_s: float) -> int | None:
+        process = self._process
+        if process is None:
+            return None
+        # SIGTERM lets the job finish its step and close its client; SIGKILL (to the
+        # whole process group) after the grace leaves nothing behind.
+        await asyncio.to_thread(terminate, process, signal.SIGTERM, grace_s)
+        return process.returncode
