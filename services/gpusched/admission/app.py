@@ -1,0 +1,117 @@
+"""Composition root of the admission service: the ledger, the queue and every placement.
+
+Single writer: every transaction that touches the ledger holds the row lock of
+`ledger_state` (see keeper), whichever replica runs it, so consumers may run on every
+replica; the scheduling loop is a singleton only so replicas do not race for that lock.
+The jobs API never touches the ledger: it validates against the static inventory and
+queues, then kicks the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gpusched.contracts.messages import T
+from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
+from gpusched.infra import bus
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime, run_service
+from gpusched.infra.settings import Settings
+
+from .catalog import Catalog
+from .handlers import Admission, load_inventory_once
+from .keeper import LedgerKeeper
+from .scheduler import Scheduler
+
+NAME = "admission"
+SCHEMA = "admission"
+# How often a replica that is not the leader asks for the scheduling lease, and the
+# longest a kick waits between two scheduling ticks.
+LEASE_POLL_S = 0.2
+
+
+class InventoryUnavailable(RuntimeError):
+    """The GPU inventory file is missing or invalid; the service cannot start."""
+
+
+def read_inventory(path: Path) -> Inventory:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InventoryUnavailable(
+            f"admission: cannot read the GPU inventory {path} ({exc.strerror}); set "
+            "GPUSCHED_ADMISSION__INVENTORY_PATH"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise InventoryUnavailable(f"admission: {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise InventoryUnavailable(f"admission: {path} must hold a mapping with a 'nodes' list")
+    try:
+        return parse_inventory(data)
+    except InventoryError as exc:
+        raise InventoryUnavailable(f"admission: invalid GPU inventory {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class AdmissionService:
+    handlers: Admission
+    scheduler: Scheduler
+    keeper: LedgerKeeper
+
+
+async def assemble(rt: ServiceRuntime) -> AdmissionService:
+    """Load (or restore) the ledger and register the service's endpoints, consumers, loop."""
+    settings = rt.settings.admission
+    await load_inventory_once(rt.uow, lambda: read_inventory(settings.inventory_path))
+    keeper = LedgerKeeper()
+    async with rt.uow() as uow:
+        await keeper.read(uow)
+    catalog = Catalog(keeper.inventory)
+    scheduler = Scheduler(rt.uow, keeper, catalog, settings.schedule_interval_s)
+    handlers = Admission(rt.uow, keeper, catalog, scheduler.kick)
+
+    s = rt.subjects
+    rt.serve(s.api_jobs_submit, handlers.submit)
+    rt.serve(s.api_jobs_get, handlers.get)
+    rt.consume(
+        bus.Consumer(
+            durable="admission-commands",
+            stream=s.stream("COMMANDS"),
+            subjects=[s.commands_for(NAME)],
+            handlers={
+                T.RESERVE_FOR_INFERENCE: handlers.on_reserve_for_inference,
+                T.RETURN_TO_SHARED: handlers.on_return_to_shared,
+            },
+        )
+    )
+    rt.consume(
+        bus.Consumer(
+            durable="admission-results",
+            stream=s.stream("EVENTS"),
+            subjects=[s.events_of("agent"), s.events_of("checkpoint")],
+            handlers={
+                T.WORKLOAD_STOPPED: handlers.on_workload_stopped,
+                T.EVICTION_COMPLETED: handlers.on_eviction_completed,
+                T.EVICTION_FORCED: handlers.on_eviction_forced,
+                T.EVICTION_ABORTED: handlers.on_eviction_aborted,
+                T.EVICTION_CANCELLED: handlers.on_eviction_cancelled,
+            },
+        )
+    )
+    # The tick itself waits up to the schedule interval for a kick, so the loop's own
+    # pause is short: a kick during it is served within LEASE_POLL_S.
+    rt.every("schedule", LEASE_POLL_S, scheduler.tick, singleton=True)
+    scheduler.kick()  # jobs queued before this start are placed at once
+    return AdmissionService(handlers, scheduler, keeper)
+
+
+async def build(rt: ServiceRuntime) -> None:
+    await assemble(rt)
+
+
+def main() -> None:
+    run_service(ServiceRuntime(NAME, SCHEMA, Settings(), migrations_dir(__file__)), build)

@@ -1,0 +1,145 @@
+"""What the cluster could ever give a job, from its inventory: the admission checks.
+
+Pure: built from the inventory the ledger was restored from, so a submission is judged
+against the GPUs the service actually schedules, not against the file on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal
+from enum import StrEnum
+
+from gpusched.contracts.messages import ApiError, SubmitJob
+from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
+from gpusched.domain.ledger import JobKind, PriorityClass
+
+WHOLE_GPU_MILLI = 1000
+_MIB_PER_GIB = 1024
+_HOST_SHARE_QUANTUM = Decimal("0.001")
+
+
+class ErrorCode(StrEnum):
+    INVALID = "invalid"
+    UNKNOWN_GPU_MODEL = "unknown_gpu_model"
+    UNSATISFIABLE = "unsatisfiable"
+    UNSUPPORTED = "unsupported"
+    NOT_FOUND = "not_found"
+
+
+def refuse(code: ErrorCode, message: str) -> ApiError:
+    return ApiError(code=code, message=message)
+
+
+# Home pools whose GPUs a job of each kind may ever hold. Inference reaches shared GPUs
+# only once they are lent to it, but all of them may be lent.
+_REACHABLE: dict[JobKind, tuple[Pool, ...]] = {
+    JobKind.TRAINING: (Pool.SHARED, Pool.TRAINING),
+    JobKind.INFERENCE: (Pool.INFERENCE, Pool.SHARED),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """GPUs that may form one gang: one home pool, one model."""
+
+    pool: Pool
+    model: str
+    memory_mib: int  # the smallest GPU of the group, so a memory check never overpromises
+    count: int
+
+
+class Catalog:
+    def __init__(self, inventory: Inventory) -> None:
+        self._nodes: dict[str, NodeSpec] = {node.name: node for node in inventory.nodes}
+        counts: dict[tuple[Pool, str], list[int]] = {}
+        for node in inventory.nodes:
+            for gpu in node.gpus:
+                counts.setdefault((node.pool, gpu.model), []).append(gpu.memory_mib)
+        self._groups = tuple(
+            _Group(pool, model, min(memories), len(memories))
+            for (pool, model), memories in sorted(counts.items())
+        )
+        self.models = frozenset(group.model for group in self._groups)
+
+    def refusal(self, job: SubmitJob) -> ApiError | None:
+        """Why the job can never be admitted as asked, or None if it may be queued."""
+        kind = JobKind(job.kind.value)
+        priority = PriorityClass(job.priority_class.value)
+        if priority.kind is not kind:
+            return refuse(
+                ErrorCode.INVALID,
+                f"priority class {priority} is for {priority.kind} jobs, not {kind}",
+            )
+        gpus = job.gpus
+        if gpus.milli is not None and gpus.milli != WHOLE_GPU_MILLI:
+            return refuse(
+                ErrorCode.UNSUPPORTED,
+                f"fractional GPUs (milli={gpus.milli}) are not supported yet: ask for whole "
+                f"GPUs (omit milli or set it to {WHOLE_GPU_MILLI})",
+            )
+        if gpus.model is not None and gpus.model not in self.models:
+            return refuse(
+                ErrorCode.UNKNOWN_GPU_MODEL,
+                f"GPU model {gpus.model!r} is not in the inventory "
+                f"(known: {', '.join(sorted(self.models))})",
+            )
+        groups = self._fitting(kind, job)
+        largest = max((group.count for group in groups), default=0)
+        if gpus.count > largest:
+            wanted = _describe(job)
+            if not groups:
+                reason = "no GPU in the pools it may use fits it"
+            else:
+                reason = f"the largest gang the {kind} pools could ever give is {largest} GPUs"
+            return refuse(
+                ErrorCode.UNSATISFIABLE, f"asks {gpus.count} GPUs ({wanted}), but {reason}"
+            )
+        return None
+
+    def models_to_try(self, job: SubmitJob) -> tuple[str | None, ...]:
+        """Placement candidates by model: the asked one, else the smallest GPUs that fit."""
+        if job.gpus.model is not None:
+            return (job.gpus.model,)
+        if job.gpus.memory_gib is None:
+            return (None,)
+        fitting = {
+            group.model: group.memory_mib for group in self._fitting(JobKind(job.kind.value), job)
+        }
+        # Smallest first: a job that fits a small GPU leaves the large ones to jobs that need them.
+        return tuple(sorted(fitting, key=lambda model: (fitting[model], model)))
+
+    def host_share(self, gpus: Iterable[GpuRef]) -> tuple[Decimal, Decimal]:
+        """CPU cores and memory GB that come with these GPUs: each node's share per GPU."""
+        cores = memory_gb = Decimal(0)
+        for ref in gpus:
+            node = self._nodes[ref.node]
+            per_gpu = Decimal(1) / len(node.gpus)
+            cores += Decimal(node.cpu_milli) / WHOLE_GPU_MILLI * per_gpu
+            memory_gb += Decimal(node.memory_mib) / _MIB_PER_GIB * per_gpu
+        return cores.quantize(_HOST_SHARE_QUANTUM), memory_gb.quantize(_HOST_SHARE_QUANTUM)
+
+    def _fitting(self, kind: JobKind, job: SubmitJob) -> list[_Group]:
+        memory = job.gpus.memory_gib
+        return [
+            group
+            for group in self._groups
+            if group.pool in _REACHABLE[kind]
+            and (job.gpus.model is None or group.model == job.gpus.model)
+            and (memory is None or group.memory_mib >= memory * _MIB_PER_GIB)
+        ]
+
+
+def submission_warnings(job: SubmitJob) -> list[str]:
+    warnings: list[str] = []
+    if not job.gang:
+        warnings.append("gang=false is not supported yet: the job is placed as one gang")
+    return warnings
+
+
+def _describe(job: SubmitJob) -> str:
+    parts = [job.gpus.model or "any model"]
+    if job.gpus.memory_gib is not None:
+        parts.append(f">= {job.gpus.memory_gib:g} GiB each")
+    return ", ".join(parts)

@@ -1,0 +1,520 @@
+"""The admission service layer: the jobs API, ledger commands, and workload/eviction results.
+
+Every consumer handler parses its payload first (a malformed one is dead-lettered
+before anything is touched), then holds the ledger (see keeper) for the rest of its
+transaction: job states and GPU slots change only under that lock, so a release and
+the eviction outcome of the same allocation never race, whatever order they arrive in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from gpusched.contracts.envelope import Envelope, utcnow
+from gpusched.contracts.messages import (
+    CheckpointInfo,
+    EvictionAborted,
+    EvictionCancelled,
+    EvictionCompleted,
+    EvictionForced,
+    GetJob,
+    GetReply,
+    GpuRef,
+    GpusReserved,
+    GpusReturned,
+    JobView,
+    ReserveForInference,
+    ReturnToShared,
+    StopReason,
+    SubmitJob,
+    SubmitReply,
+    T,
+    WorkloadStopped,
+)
+from gpusched.domain import ledger as d
+from gpusched.domain.inventory import Inventory, Pool
+from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.errors import Rejected
+
+from . import lending, store, wire
+from .catalog import Catalog, ErrorCode, refuse, submission_warnings
+from .keeper import LedgerKeeper
+from .queue import EvictionOutcome, JobState, new_job_id
+
+_STOPPED_STATE = {
+    StopReason.COMPLETED: JobState.COMPLETED,
+    StopReason.FAILED: JobState.FAILED,
+}
+
+
+async def load_inventory_once(
+    uow_factory: UnitOfWorkFactory, read_inventory: Callable[[], Inventory]
+) -> bool:
+    """Store the inventory if the ledger has none yet; True if this call loaded it.
+
+    Under the ledger lock, so replicas starting together load it exactly once. The file
+    is read only when needed: afterwards the tables are the inventory of record.
+    """
+    async with uow_factory() as uow:
+        await store.lock_ledger(uow)
+        if await store.has_inventory(uow):
+            return False
+        inventory = read_inventory()
+        await store.save_inventory(uow, inventory)
+        await uow.emit(
+            uow.subjects.event(uow.source, T.INVENTORY_LOADED),
+            T.INVENTORY_LOADED,
+            wire.inventory_loaded(inventory),
+        )
+        await uow.audit(
+            "inventory.loaded",
+            entity="inventory",
+            reason=f"first start: {inventory.total_gpus} GPUs on {len(inventory.nodes)} nodes",
+            details={str(pool): inventory.gpus_in(pool) for pool in Pool},
+        )
+        await uow.commit()
+        return True
+
+
+class Admission:
+    def __init__(
+        self,
+        uow: UnitOfWorkFactory,
+        keeper: LedgerKeeper,
+        catalog: Catalog,
+        kick: Callable[[], None],
+    ) -> None:
+        self._uow = uow
+        self._keeper = keeper
+        self._catalog = catalog
+        self._kick = kick
+
+    # --- the jobs API (request/reply) ---------------------------------------------------
+
+    async def submit(self, raw: bytes) -> SubmitReply:
+        try:
+            job = SubmitJob.model_validate_json(raw)
+        except ValidationError as exc:
+            return SubmitReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        refusal = self._catalog.refusal(job)
+        async with self._uow() as uow:
+            if refusal is not None:
+                # A decision about a well-formed request: audited, nothing else stored.
+                await uow.audit(
+                    "job.rejected",
+                    entity=job.team,
+                    reason=f"{refusal.code}: {refusal.message}",
+                    details={"name": job.name, "gpus": job.gpus.model_dump(mode="json")},
+                )
+                await uow.commit()
+                return SubmitReply(ok=False, error=refusal)
+            key = job.idempotency_key
+            if key is not None and (known := await store.job_id_for_key(uow, job.team, key)):
+                return SubmitReply(ok=True, job_id=known)
+            job_id = new_job_id()
+            warnings = submission_warnings(job)
+            if not await store.insert_job(uow, job_id, job, warnings, utcnow()):
+                # A concurrent submit with the same key committed first: answer with its job.
+                assert key is not None
+                known = await store.job_id_for_key(uow, job.team, key)
+                return SubmitReply(ok=True, job_id=known)
+            await uow.audit(
+                "job.submitted",
+                entity=job_id,
+                reason=f"queued: {job.priority_class} {job.kind} job of team {job.team}",
+                details={
+                    "name": job.name,
+                    "team": job.team,
+                    "gpus": job.gpus.model_dump(mode="json"),
+                    "idempotency_key": key,
+                    "warnings": warnings,
+                },
+            )
+            await uow.commit()
+        self._kick()
+        return SubmitReply(ok=True, job_id=job_id)
+
+    async def get(self, raw: bytes) -> GetReply:
+        try:
+            request = GetJob.model_validate_json(raw)
+        except ValidationError as exc:
+            return GetReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        async with self._uow() as uow:
+            job = await store.job(uow, request.job_id)
+            if job is None:
+                return GetReply(
+                    ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            held = None
+            if job.allocation_id is not None:
+                held = await store.allocation(uow, job.allocation_id)
+        allocated = (
+            []
+            if held is None
+            else [
+                GpuRef(node=ref.node, index=ref.index, model=held.allocation.model)
+                for ref in held.allocation.gpus
+            ]
+        )
+        spec = job.spec
+        return GetReply(
+            ok=True,
+            job=JobView(
+                job_id=job.job_id,
+                name=spec.name,
+                team=spec.team,
+                kind=spec.kind,
+                priority_class=spec.priority_class,
+                state=job.state,
+                attempt=job.attempt,
+                gpus=spec.gpus,
+                allocation_id=job.allocation_id,
+                allocated=allocated,
+                resume_from=job.resume_from,
+                # The checkpoint catalogue lives in the checkpoint service; admission knows
+                # the one an eviction left, which is what the job resumes from.
+                latest_checkpoint=job.resume_from,
+                submitted_at=job.submitted_at,
+                warnings=list(job.warnings),
+            ),
+        )
+
+    # --- ledger commands from preemption ------------------------------------------------
+
+    async def on_reserve_for_inference(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        command = envelope.payload(ReserveForInference)
+        ledger = await self._keeper.hold(uow)
+        if not await store.claim_decision(
+            uow, command.decision_id, T.RESERVE_FOR_INFERENCE, command.reservation_id
+        ):
+            await _audit_repeat(uow, envelope, command.decision_id, command.reservation_id)
+            return
+        chosen: list[d.GpuRef] = []
+        unknown: list[str] = []
+        not_lendable: dict[str, str] = {}
+        for allocation_id in dict.fromkeys(command.allocation_ids):
+            try:
+                allocation = ledger.allocation(allocation_id)
+            except d.UnknownAllocation:
+                unknown.append(allocation_id)
+                continue
+            for ref in allocation.gpus:
+                slot = ledger.gpu(ref)
+                if slot.pool is not Pool.SHARED:
+                    not_lendable[str(ref)] = f"{slot.pool} pool"
+                elif slot.reserved_for not in (None, command.reservation_id):
+                    not_lendable[str(ref)] = f"already reserved for {slot.reserved_for}"
+                else:
+                    chosen.append(ref)
+        free = lending.free_to_lend(ledger, command.free_gpus, chosen)
+        chosen.extend(free)
+        reserved = (
+            ledger.reserve_for_inference(command.reservation_id, chosen)
+            if chosen
+            else d.GpusReserved(command.reservation_id, ())
+        )
+        await self._keeper.save(uow, reserved.gpus)
+        # Always answered, even when nothing could be reserved, so preemption learns the
+        # outcome of its decision and can act on the shortfall.
+        await uow.emit(
+            uow.subjects.event(uow.source, T.GPUS_RESERVED),
+            T.GPUS_RESERVED,
+            GpusReserved(
+                reservation_id=command.reservation_id,
+                gpus=wire.gpus(reserved.gpus, ledger),
+                pending=wire.gpus(reserved.pending, ledger),
+            ),
+            correlation_id=command.decision_id,
+            causation_id=envelope.id,
+        )
+        short = command.free_gpus - len(free)
+        await uow.audit(
+            "gpus.reserved",
+            entity=command.reservation_id,
+            reason=(
+                f"lent {len(reserved.gpus)} shared GPUs to inference "
+                f"({len(reserved.pending)} on release of their training jobs)"
+                + (f"; {short} fewer idle GPUs than asked" if short > 0 else "")
+                + (f"; unknown allocations {', '.join(unknown)}" if unknown else "")
+            ),
+            details={
+                "decision_id": command.decision_id,
+                "gpus": [str(ref) for ref in reserved.gpus],
+                "pending": [str(ref) for ref in reserved.pending],
+                "free_asked": command.free_gpus,
+                "free_given": len(free),
+                "unknown_allocations": unknown,
+                "not_lendable": not_lendable,
+            },
+            causation_id=envelope.id,
+        )
+
+    async def on_return_to_shared(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        command = envelope.payload(ReturnToShared)
+        ledger = await self._keeper.hold(uow)
+        if not await store.claim_decision(
+            uow, command.decision_id, T.RETURN_TO_SHARED, command.reservation_id
+        ):
+            await _audit_repeat(uow, envelope, command.decision_id, command.reservation_id)
+            return
+        chosen = lending.lent_to_return(ledger, command.reservation_id, command.gpus)
+        returned = ledger.return_to_shared(gpus=chosen) if chosen else d.GpusReturned((), (), ())
+        await self._keeper.save(uow, returned.gpus)
+        await uow.emit(
+            uow.subjects.event(uow.source, T.GPUS_RETURNED),
+            T.GPUS_RETURNED,
+            GpusReturned(
+                reservation_id=command.reservation_id, gpus=wire.gpus(returned.gpus, ledger)
+            ),
+            correlation_id=command.decision_id,
+            causation_id=envelope.id,
+        )
+        short = command.gpus - len(returned.gpus)
+        await uow.audit(
+            "gpus.returned",
+            entity=command.reservation_id,
+            reason=(
+                f"returned {len(returned.gpus)} GPUs to the shared pool "
+                f"({len(returned.freed)} free at once)"
+                + (f"; the reservation held {short} fewer than asked" if short > 0 else "")
+            ),
+            details={
+                "decision_id": command.decision_id,
+                "gpus": [str(ref) for ref in returned.gpus],
+                "freed": [str(ref) for ref in returned.freed],
+                "asked": command.gpus,
+            },
+            causation_id=envelope.id,
+        )
+        if returned.freed:
+            self._kick()
+
+    # --- results from the cluster agent -------------------------------------------------
+
+    async def on_workload_stopped(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        stopped = envelope.payload(WorkloadStopped)
+        ledger = await self._keeper.hold(uow)
+        held = await self._allocation_of(uow, stopped.allocation_id, stopped.job_id)
+        if not held.live:
+            await uow.audit(
+                "allocation.release_ignored",
+                entity=stopped.job_id,
+                reason=f"allocation {stopped.allocation_id} was already released "
+                f"({held.release_reason})",
+                details={"allocation_id": stopped.allocation_id, "reason": stopped.reason},
+                causation_id=envelope.id,
+            )
+            return
+        now = utcnow()
+        granted_at = held.allocation.granted_at
+        # The agent's clock may run apart from ours: never before the grant or after now.
+        released_at = max(min(stopped.stopped_at, now), granted_at)
+        released = ledger.release(stopped.allocation_id, released_at)
+        await store.release_allocation(uow, released.allocation_id, released_at, stopped.reason)
+        await self._keeper.save(uow, released.gpus)
+        await uow.emit(
+            uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
+            T.ALLOCATION_RELEASED,
+            wire.allocation_released(released, stopped.reason, ledger),
+            correlation_id=stopped.job_id,
+            causation_id=envelope.id,
+        )
+        await uow.audit(
+            "allocation.released",
+            entity=stopped.job_id,
+            reason=f"workload {stopped.reason}",
+            details={
+                "allocation_id": released.allocation_id,
+                "gpus": [str(ref) for ref in released.gpus],
+                "kept_for_inference": [str(ref) for ref in released.kept_for_inference],
+                "exit_code": stopped.exit_code,
+                "saga_id": stopped.saga_id,
+            },
+            causation_id=envelope.id,
+        )
+        await self._settle_stopped_job(uow, envelope, stopped, held, now)
+        self._kick()
+
+    async def _settle_stopped_job(
+        self,
+        uow: UnitOfWork,
+        envelope: Envelope,
+        stopped: WorkloadStopped,
+        held: store.AllocationRecord,
+        now: datetime,
+    ) -> None:
+        job = await store.job(uow, stopped.job_id)
+        assert job is not None  # allocations reference their job
+        if job.allocation_id != stopped.allocation_id:
+            return  # an older attempt's allocation; the job has moved on
+        if stopped.reason in _STOPPED_STATE:
+            state = _STOPPED_STATE[stopped.reason]
+            reason = f"workload {stopped.reason} (exit code {stopped.exit_code})"
+        elif held.eviction_outcome is not None or stopped.saga_id is None:
+            # The saga's outcome is in (or no saga evicted it, e.g. a node drain, and
+            # none will report): back to the queue with the checkpoint we know.
+            state = JobState.QUEUED
+            reason = "evicted; requeued to resume from its checkpoint"
+        else:
+            state = JobState.PREEMPTED
+            reason = f"evicted by saga {stopped.saga_id}; requeued when its outcome arrives"
+        await store.set_job_state(uow, job.job_id, state, now)
+        await uow.audit(
+            _STATE_ACTION[state],
+            entity=job.job_id,
+            reason=reason,
+            details={
+                "allocation_id": stopped.allocation_id,
+                "attempt": job.attempt,
+                "resume_from": _checkpoint_id(job.resume_from),
+            },
+            causation_id=envelope.id,
+        )
+
+    # --- eviction saga outcomes (checkpoint service) ------------------------------------
+
+    async def on_eviction_completed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        done = envelope.payload(EvictionCompleted)
+        await self._settle_eviction(
+            uow, envelope, EvictionOutcome.COMPLETED, done.saga_id, done.allocation_id,
+            done.job_id, done.checkpoint,
+        )  # fmt: skip
+
+    async def on_eviction_forced(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        forced = envelope.payload(EvictionForced)
+        await self._settle_eviction(
+            uow, envelope, EvictionOutcome.FORCED, forced.saga_id, forced.allocation_id,
+            forced.job_id, forced.checkpoint,
+        )  # fmt: skip
+
+    async def _settle_eviction(
+        self,
+        uow: UnitOfWork,
+        envelope: Envelope,
+        outcome: EvictionOutcome,
+        saga_id: str,
+        allocation_id: str,
+        job_id: str,
+        checkpoint: CheckpointInfo | None,
+    ) -> None:
+        await self._keeper.hold(uow)
+        held = await self._allocation_of(uow, allocation_id, job_id)
+        if held.eviction_outcome is not None:
+            await uow.audit(
+                "eviction.ignored",
+                entity=job_id,
+                reason=f"allocation {allocation_id} already has outcome {held.eviction_outcome}",
+                details={"saga_id": saga_id, "outcome": outcome},
+                causation_id=envelope.id,
+            )
+            return
+        await store.record_eviction_outcome(uow, allocation_id, outcome, saga_id)
+        job = await store.job(uow, job_id)
+        assert job is not None  # allocations reference their job
+        now = utcnow()
+        # The checkpoint belongs to this attempt; a later attempt has its own progress.
+        current = job.attempt == held.attempt
+        if current and checkpoint is not None:
+            await store.set_resume_from(uow, job_id, checkpoint, now)
+        resume_from = checkpoint if current and checkpoint is not None else job.resume_from
+        details = {
+            "allocation_id": allocation_id,
+            "saga_id": saga_id,
+            "outcome": outcome,
+            "resume_from": _checkpoint_id(resume_from),
+        }
+        if current and job.state is JobState.PREEMPTED:
+            await store.set_job_state(uow, job_id, JobState.QUEUED, now)
+            await uow.audit(
+                "job.requeued",
+                entity=job_id,
+                reason=f"eviction {outcome}; resumes from "
+                f"{_checkpoint_id(resume_from) or 'the start (no checkpoint)'}",
+                details=details,
+                causation_id=envelope.id,
+            )
+            self._kick()
+        elif held.live:
+            await uow.audit(
+                "eviction.recorded",
+                entity=job_id,
+                reason=f"eviction {outcome}; the job is requeued once its workload stops",
+                details=details,
+                causation_id=envelope.id,
+            )
+        else:
+            await uow.audit(
+                "eviction.recorded",
+                entity=job_id,
+                reason=f"eviction {outcome} after the job was already {job.state}",
+                details=details,
+                causation_id=envelope.id,
+            )
+
+    async def on_eviction_aborted(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        aborted = envelope.payload(EvictionAborted)
+        await uow.audit(
+            "job.eviction_aborted",
+            entity=aborted.job_id,
+            reason=f"{aborted.reason}; the job keeps its GPUs (preemption decides what next)",
+            details={"allocation_id": aborted.allocation_id, "saga_id": aborted.saga_id},
+            causation_id=envelope.id,
+        )
+
+    async def on_eviction_cancelled(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        cancelled = envelope.payload(EvictionCancelled)
+        await uow.audit(
+            "job.eviction_cancelled",
+            entity=cancelled.job_id,
+            reason=f"{cancelled.reason}; the job keeps its GPUs",
+            details={"allocation_id": cancelled.allocation_id, "saga_id": cancelled.saga_id},
+            causation_id=envelope.id,
+        )
+
+    async def _allocation_of(
+        self, uow: UnitOfWork, allocation_id: str, job_id: str
+    ) -> store.AllocationRecord:
+        held = await store.allocation(uow, allocation_id)
+        if held is None:
+            raise Rejected(f"unknown allocation {allocation_id!r}")
+        if held.allocation.job_id != job_id:
+            raise Rejected(
+                f"allocation {allocation_id!r} belongs to job {held.allocation.job_id!r}, "
+                f"not {job_id!r}"
+            )
+        return held
+
+
+_STATE_ACTION = {
+    JobState.COMPLETED: "job.completed",
+    JobState.FAILED: "job.failed",
+    JobState.QUEUED: "job.requeued",
+    JobState.PREEMPTED: "job.preempted",
+}
+
+
+async def _audit_repeat(
+    uow: UnitOfWork, envelope: Envelope, decision_id: str, reservation_id: str
+) -> None:
+    await uow.audit(
+        "ledger.command_ignored",
+        entity=reservation_id,
+        reason=f"decision {decision_id} was already applied",
+        details={"type": envelope.type, "decision_id": decision_id},
+        causation_id=envelope.id,
+    )
+
+
+def _checkpoint_id(checkpoint: CheckpointInfo | None) -> str | None:
+    return None if checkpoint is None else checkpoint.checkpoint_id
+
+
+def _describe(exc: ValidationError) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid')}{more}"

@@ -1,0 +1,73 @@
+"""The in-memory capacity ledger, kept in step with the committed tables.
+
+Concurrency (one writer at a time, any number of replicas):
+- Every transaction that reads or changes the ledger begins with ``hold`` (or ``read``),
+  which takes the row lock on ``ledger_state`` until that transaction commits or rolls
+  back. That lock is the single-writer rule: consumers on any replica and the
+  scheduling pass queue on it, so decisions never interleave.
+- ``hold`` also bumps the stored version in the same transaction and remembers the new
+  number. The holder changes the in-memory ledger while it holds the lock; the
+  runtime commits afterwards (consumers never see the commit themselves). If that
+  commit happens, the next holder finds the version it expects and uses the memory
+  as is; if the transaction rolled back, or another replica wrote meanwhile, the
+  versions differ and the next holder rebuilds the ledger from the tables. So the
+  memory is never trusted beyond what was committed, without a hook on commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpusched.domain.inventory import GpuRef, Inventory
+from gpusched.domain.ledger import Ledger
+from gpusched.infra.db import UnitOfWork
+
+from . import store
+
+
+class LedgerKeeper:
+    def __init__(self) -> None:
+        self._ledger: Ledger | None = None
+        self._inventory: Inventory | None = None
+        self._version = -1  # matches no stored version, so the first holder loads
+        self.rebuilds = 0
+
+    @property
+    def version(self) -> int:
+        """The version the in-memory ledger is at (tentative until its holder commits)."""
+        return self._version
+
+    @property
+    def inventory(self) -> Inventory:
+        if self._inventory is None:
+            raise RuntimeError("the ledger has not been loaded yet")
+        return self._inventory
+
+    async def hold(self, uow: UnitOfWork) -> Ledger:
+        """The current ledger, locked for this transaction, which may change it."""
+        ledger = await self._sync(uow)
+        self._version += 1
+        await store.set_ledger_version(uow, self._version)
+        return ledger
+
+    async def read(self, uow: UnitOfWork) -> Ledger:
+        """The current ledger, locked for this transaction, which must not change it."""
+        return await self._sync(uow)
+
+    async def save(self, uow: UnitOfWork, gpus: Iterable[GpuRef]) -> None:
+        """Write the slots of ``gpus`` as the held ledger has them now."""
+        ledger = self._require()
+        await store.save_gpus(uow, [ledger.gpu(ref) for ref in gpus])
+
+    async def _sync(self, uow: UnitOfWork) -> Ledger:
+        committed = await store.lock_ledger(uow)
+        if self._ledger is None or committed != self._version:
+            self._inventory, self._ledger = await store.load_ledger(uow)
+            self.rebuilds += 1
+        self._version = committed
+        return self._ledger
+
+    def _require(self) -> Ledger:
+        if self._ledger is None:
+            raise RuntimeError("the ledger has not been loaded yet")
+        return self._ledger

@@ -1,0 +1,116 @@
+"""The admission schema: the capacity ledger, the job queue and the allocations.
+
+`gpus` is the ledger's GPU slots as a table, written in the same transaction as every
+ledger change; the in-memory ledger is rebuilt from `allocations` (live rows) and the
+reservation ids on `gpus`. `ledger_state` holds one row: its row lock serializes every
+ledger transaction and its version tells a replica whether its in-memory copy is current.
+"""
+
+from alembic import op
+
+from gpusched.infra.migrations import create_outbox_and_inbox, current_schema
+
+revision = "0001"
+down_revision = None
+
+
+def upgrade() -> None:
+    s = current_schema()
+    create_outbox_and_inbox(s)
+    op.execute(
+        f"""
+        CREATE TABLE {s}.nodes (
+            name       text PRIMARY KEY,
+            pool       text NOT NULL,
+            cpu_milli  bigint NOT NULL,
+            memory_mib bigint NOT NULL
+        )
+        """
+    )
+    op.execute(
+        f"""
+        CREATE TABLE {s}.gpus (
+            node           text NOT NULL REFERENCES {s}.nodes (name),
+            gpu_index      int NOT NULL,
+            model          text NOT NULL,
+            memory_mib     bigint NOT NULL,
+            pool           text NOT NULL,
+            status         text NOT NULL,
+            allocation_id  text,
+            reservation_id text,
+            -- A reservation on a GPU training still holds takes effect on its release.
+            pending        boolean GENERATED ALWAYS AS
+                               (reservation_id IS NOT NULL AND allocation_id IS NOT NULL) STORED,
+            PRIMARY KEY (node, gpu_index)
+        )
+        """
+    )
+    op.execute(
+        f"""
+        CREATE TABLE {s}.jobs (
+            job_id          text PRIMARY KEY,
+            name            text NOT NULL,
+            team            text NOT NULL,
+            kind            text NOT NULL,
+            priority_class  text NOT NULL,
+            spec            jsonb NOT NULL,
+            state           text NOT NULL,
+            attempt         int NOT NULL DEFAULT 0,
+            allocation_id   text,
+            resume_from     jsonb,
+            idempotency_key text,
+            submitted_at    timestamptz NOT NULL,
+            updated_at      timestamptz NOT NULL,
+            warnings        jsonb NOT NULL DEFAULT '[]'::jsonb,
+            -- Set once a scheduling pass found no room, so the wait is audited once.
+            wait_audited    boolean NOT NULL DEFAULT false,
+            UNIQUE (team, idempotency_key)
+        )
+        """
+    )
+    op.execute(f"CREATE INDEX jobs_by_state ON {s}.jobs (state, submitted_at)")
+    op.execute(
+        f"""
+        CREATE TABLE {s}.allocations (
+            allocation_id    text PRIMARY KEY,
+            job_id           text NOT NULL REFERENCES {s}.jobs (job_id),
+            team             text NOT NULL,
+            kind             text NOT NULL,
+            priority_class   text NOT NULL,
+            model            text NOT NULL,
+            pool             text NOT NULL,
+            gpus             jsonb NOT NULL,
+            attempt          int NOT NULL,
+            granted_at       timestamptz NOT NULL,
+            released_at      timestamptz,
+            release_reason   text,
+            -- The eviction saga's outcome (completed/forced) for this allocation, which
+            -- may arrive before or after the workload stopped.
+            eviction_outcome text,
+            eviction_saga_id text
+        )
+        """
+    )
+    op.execute(
+        f"CREATE INDEX allocations_live ON {s}.allocations (allocation_id) "
+        "WHERE released_at IS NULL"
+    )
+    op.execute(
+        f"""
+        CREATE TABLE {s}.ledger_state (
+            id      int PRIMARY KEY CHECK (id = 1),
+            version bigint NOT NULL
+        )
+        """
+    )
+    op.execute(f"INSERT INTO {s}.ledger_state (id, version) VALUES (1, 0)")
+    op.execute(
+        f"""
+        CREATE TABLE {s}.ledger_commands (
+            decision_id    text PRIMARY KEY,
+            kind           text NOT NULL,
+            reservation_id text NOT NULL,
+            applied_at     timestamptz NOT NULL DEFAULT now()
+        )
+        """
+    )

@@ -1,0 +1,83 @@
+"""The messages admission emits, built from ledger events and job records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from decimal import Decimal
+
+from gpusched.contracts import messages as m
+from gpusched.domain import ledger as d
+from gpusched.domain.inventory import GpuRef, Inventory
+
+from .store import JobRecord
+
+
+def gpus(refs: Iterable[GpuRef], ledger: d.Ledger) -> list[m.GpuRef]:
+    return [m.GpuRef(node=ref.node, index=ref.index, model=ledger.gpu(ref).model) for ref in refs]
+
+
+def allocation_granted(
+    granted: d.AllocationGranted,
+    job: JobRecord,
+    attempt: int,
+    ledger: d.Ledger,
+    host_share: tuple[Decimal, Decimal],
+) -> m.AllocationGranted:
+    cpu_cores, memory_gb = host_share
+    return m.AllocationGranted(
+        allocation_id=granted.allocation_id,
+        job_id=granted.job_id,
+        team=granted.team,
+        kind=m.JobKind(granted.kind.value),
+        priority_class=m.PriorityClassName(granted.priority_class.value),
+        pool=granted.pool,
+        gpus=gpus(granted.gpus, ledger),
+        granted_at=granted.granted_at,
+        attempt=attempt,
+        checkpointable=job.spec.checkpointable,
+        resume_from=job.resume_from,
+        workload=job.spec.workload,
+        cpu_cores=cpu_cores,
+        memory_gb=memory_gb,
+    )
+
+
+def start_workload(
+    granted: d.AllocationGranted, job: JobRecord, attempt: int, ledger: d.Ledger
+) -> m.StartWorkload:
+    return m.StartWorkload(
+        allocation_id=granted.allocation_id,
+        job_id=granted.job_id,
+        attempt=attempt,
+        gpus=gpus(granted.gpus, ledger),
+        workload=job.spec.workload,
+        resume_from=job.resume_from,
+    )
+
+
+def allocation_released(
+    released: d.AllocationReleased, reason: str, ledger: d.Ledger
+) -> m.AllocationReleased:
+    return m.AllocationReleased(
+        allocation_id=released.allocation_id,
+        job_id=released.job_id,
+        team=released.team,
+        gpus=gpus(released.gpus, ledger),
+        released_at=released.released_at,
+        reason=reason,
+    )
+
+
+def inventory_loaded(inventory: Inventory) -> m.InventoryLoaded:
+    return m.InventoryLoaded(
+        nodes=[
+            m.InventoryNode(
+                name=node.name,
+                pool=node.pool,
+                # A node's GPUs share a model in every inventory format we read.
+                gpu_model=node.gpus[0].model,
+                gpus=len(node.gpus),
+            )
+            for node in inventory.nodes
+        ]
+    )

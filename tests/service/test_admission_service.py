@@ -1,0 +1,634 @@
+"""The admission service on the real NATS and PostgreSQL: the jobs API, placement, the
+ledger commands of the preemption service, and workload/eviction results.
+
+The cluster is one inference node (2 GPUs) and one shared node (4 GPUs), all A100-80GB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import BaseModel
+from tests.support.waiting import eventually, stream_messages
+
+from gpusched.admission import app as admission_app
+from gpusched.admission.app import NAME as ADMISSION
+from gpusched.admission.app import SCHEMA, AdmissionService, InventoryUnavailable, assemble
+from gpusched.contracts.envelope import Envelope, make_envelope
+from gpusched.contracts.messages import (
+    CheckpointInfo,
+    EvictionCompleted,
+    ReserveForInference,
+    ReturnToShared,
+    StageName,
+    StopReason,
+    T,
+    WorkloadStopped,
+)
+from gpusched.contracts.subjects import Subjects
+from gpusched.domain.inventory import Pool
+from gpusched.domain.ledger import PoolCapacity
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.settings import Settings
+
+INVENTORY = """
+nodes:
+  - name: inf-00
+    pool: inference
+    gpu_model: A100-80GB
+    gpus: 2
+    cpu_milli: 32000
+    memory_mib: 262144
+  - name: shared-00
+    pool: shared
+    gpu_model: A100-80GB
+    gpus: 4
+    cpu_milli: 64000
+    memory_mib: 524288
+"""
+
+CHECKPOINT = CheckpointInfo(
+    checkpoint_id="ckpt-7",
+    step=700,
+    uri="file:///ckpt/7",
+    bytes=1024,
+    sha256="0" * 64,
+    stage=StageName.PERSISTED,
+)
+
+
+# --- harness ---------------------------------------------------------------------------
+
+
+@dataclass
+class Admission:
+    rt: ServiceRuntime
+    service: AdmissionService
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.rt.request_stop()
+        await asyncio.wait_for(self.task, 20)
+
+    async def capacity(self) -> dict[Pool, PoolCapacity]:
+        async with self.rt.uow() as uow:
+            return (await self.service.keeper.read(uow)).capacity()
+
+    async def rows(self, table: str) -> int:
+        async with self.rt.uow() as uow:
+            result = await uow.execute(f"SELECT count(*) FROM {SCHEMA}.{table}")
+            return int(result.scalar_one())
+
+
+async def start_admission(settings: Settings) -> Admission:
+    rt = ServiceRuntime(ADMISSION, SCHEMA, settings, migrations_dir(admission_app.__file__))
+    await rt.start()
+    service = await assemble(rt)
+    running = Admission(rt, service, asyncio.create_task(rt.run()))
+
+    async def answering() -> bool:
+        try:
+            await rt.nc.request(rt.subjects.api_jobs_get, b"{}", timeout=5)
+        except NoRespondersError:
+            return False
+        return True
+
+    # The endpoints subscribe once run() is under way.
+    await eventually(answering, within=20)
+    return running
+
+
+@dataclass
+class Client:
+    nc: NatsClient
+    js: JetStreamContext
+    s: Subjects
+
+    async def request(self, subject: str, body: bytes) -> dict[str, Any]:
+        reply = await self.nc.request(subject, body, timeout=15)
+        data: dict[str, Any] = json.loads(reply.data)
+        return data
+
+    async def submit(self, **fields: Any) -> dict[str, Any]:
+        body = {"name": "train", "team": "vision", "gpus": {"count": 2}, **fields}
+        return await self.request(self.s.api_jobs_submit, json.dumps(body).encode())
+
+    async def submitted(self, **fields: Any) -> str:
+        reply = await self.submit(**fields)
+        assert reply["ok"], reply
+        job_id: str = reply["job_id"]
+        return job_id
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        reply = await self.request(self.s.api_jobs_get, json.dumps({"job_id": job_id}).encode())
+        assert reply["ok"], reply
+        job: dict[str, Any] = reply["job"]
+        return job
+
+    async def job_in(self, job_id: str, state: str) -> dict[str, Any]:
+        async def check() -> dict[str, Any] | None:
+            job = await self.job(job_id)
+            return job if job["state"] == state else None
+
+        return await eventually(check, within=20)
+
+    async def publish(self, subject: str, message_type: str, data: BaseModel) -> Envelope:
+        envelope = make_envelope(message_type, data, source="test")
+        await self.js.publish(subject, envelope.to_bytes())
+        return envelope
+
+    async def events(self, subject: str, expect: int) -> list[Envelope]:
+        msgs = await stream_messages(self.js, subject, expect, within=20)
+        return [Envelope.from_bytes(msg.data) for msg in msgs]
+
+    async def all_events(self, subject: str) -> list[Envelope]:
+        """Every message stored on `subject` so far (the stream is read to its end)."""
+        sub = await self.js.subscribe(
+            subject, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL), manual_ack=False
+        )
+        got: list[Envelope] = []
+        try:
+            while True:
+                got.append(Envelope.from_bytes((await sub.next_msg(timeout=1.0)).data))
+        except NatsTimeout:
+            return got
+        finally:
+            await sub.unsubscribe()
+
+    async def audits(self, action: str, entity: str, expect: int) -> list[Envelope]:
+        async def check() -> list[Envelope] | None:
+            found = [
+                e for e in await self.all_events(self.s.audit(action)) if e.data["entity"] == entity
+            ]
+            return found if len(found) >= expect else None
+
+        return await eventually(check, within=20)
+
+    # --- what the other services would send ---
+
+    async def stopped(
+        self, job: dict[str, Any], reason: StopReason, saga_id: str | None = None
+    ) -> Envelope:
+        return await self.publish(
+            self.s.event("agent", T.WORKLOAD_STOPPED),
+            T.WORKLOAD_STOPPED,
+            WorkloadStopped(
+                allocation_id=job["allocation_id"],
+                job_id=job["job_id"],
+                reason=reason,
+                stopped_at=datetime.now(UTC),
+                exit_code=0,
+                saga_id=saga_id,
+            ),
+        )
+
+    async def eviction_completed(self, job: dict[str, Any], saga_id: str) -> Envelope:
+        return await self.publish(
+            self.s.event("checkpoint", T.EVICTION_COMPLETED),
+            T.EVICTION_COMPLETED,
+            EvictionCompleted(
+                saga_id=saga_id,
+                request_id=f"req-{saga_id}",
+                allocation_id=job["allocation_id"],
+                job_id=job["job_id"],
+                checkpoint=CHECKPOINT,
+            ),
+        )
+
+    async def reserve(
+        self, decision_id: str, allocation_ids: list[str], free_gpus: int = 0
+    ) -> Envelope:
+        return await self.publish(
+            self.s.command(ADMISSION, T.RESERVE_FOR_INFERENCE),
+            T.RESERVE_FOR_INFERENCE,
+            ReserveForInference(
+                reservation_id="res-1",
+                decision_id=decision_id,
+                allocation_ids=allocation_ids,
+                free_gpus=free_gpus,
+            ),
+        )
+
+    async def return_gpus(self, decision_id: str, gpus: int) -> Envelope:
+        return await self.publish(
+            self.s.command(ADMISSION, T.RETURN_TO_SHARED),
+            T.RETURN_TO_SHARED,
+            ReturnToShared(reservation_id="res-1", decision_id=decision_id, gpus=gpus),
+        )
+
+
+@pytest.fixture
+def admission_settings(settings: Settings, tmp_path: Path) -> Settings:
+    path = tmp_path / "inventory.yaml"
+    path.write_text(INVENTORY)
+    return settings.model_copy(
+        update={
+            "admission": settings.admission.model_copy(
+                update={"inventory_path": path, "schedule_interval_s": 0.3}
+            )
+        }
+    )
+
+
+@pytest.fixture
+async def admission(admission_settings: Settings) -> AsyncIterator[Admission]:
+    running = await start_admission(admission_settings)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def client(admission_settings: Settings) -> AsyncIterator[Client]:
+    assert admission_settings.nats_url is not None
+    nc = await nats.connect(admission_settings.nats_url)
+    yield Client(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
+    await nc.drain()
+
+
+def shared(capacity: dict[Pool, PoolCapacity]) -> tuple[int, int, int]:
+    c = capacity[Pool.SHARED]
+    return c.allocated, c.reserved, c.free
+
+
+async def evict(client: Client, job: dict[str, Any], order: str, saga_id: str = "saga-1") -> None:
+    """What the saga and the agent report when `job` is evicted, in either order."""
+    if order == "stopped-first":
+        await client.stopped(job, StopReason.EVICTED, saga_id)
+        await client.job_in(job["job_id"], "PREEMPTED")
+        await client.eviction_completed(job, saga_id)
+    else:
+        await client.eviction_completed(job, saga_id)
+        await client.audits("eviction.recorded", job["job_id"], 1)
+        assert (await client.job(job["job_id"]))["state"] == "RUNNING"
+        await client.stopped(job, StopReason.EVICTED, saga_id)
+
+
+# --- the jobs API and placement ---------------------------------------------------------
+
+
+async def test_the_inventory_is_loaded_and_announced_on_first_start(
+    admission: Admission, client: Client
+) -> None:
+    [loaded] = await client.events(client.s.event(ADMISSION, T.INVENTORY_LOADED), 1)
+    assert loaded.data["nodes"] == [
+        {"name": "inf-00", "pool": "inference", "gpu_model": "A100-80GB", "gpus": 2},
+        {"name": "shared-00", "pool": "shared", "gpu_model": "A100-80GB", "gpus": 4},
+    ]
+    assert shared(await admission.capacity()) == (0, 0, 4)
+
+
+async def test_a_submitted_job_is_placed_and_its_workload_started(
+    admission: Admission, client: Client
+) -> None:
+    reply = await client.submit(name="resnet", gpus={"count": 2, "model": "A100-80GB"})
+    assert reply["ok"] is True
+    job_id = reply["job_id"]
+    assert job_id.startswith("job-") and len(job_id) == len("job-") + 12
+
+    [granted] = await client.events(client.s.event(ADMISSION, T.ALLOCATION_GRANTED), 1)
+    [start] = await client.events(client.s.command("agent", T.START_WORKLOAD), 1)
+    gpus = [{"node": "shared-00", "index": i, "model": "A100-80GB"} for i in (0, 1)]
+    assert granted.data["job_id"] == job_id
+    assert granted.data["gpus"] == gpus
+    assert granted.data["pool"] == "shared"
+    assert granted.data["attempt"] == 1
+    assert granted.data["resume_from"] is None
+    assert granted.data["cpu_cores"] == "32.000"  # half of the node: 2 of its 4 GPUs
+    assert start.data["allocation_id"] == granted.data["allocation_id"]
+    assert start.data["gpus"] == gpus
+    assert start.data["attempt"] == 1
+
+    job = await client.job_in(job_id, "RUNNING")
+    assert job["allocated"] == gpus
+    assert job["allocation_id"] == granted.data["allocation_id"]
+    assert job["attempt"] == 1
+    [placed] = await client.audits("job.placed", job_id, 1)
+    assert placed.data["details"]["nodes"] == ["shared-00"]
+    assert placed.data["details"]["spans_nodes"] is False
+
+
+async def test_an_inference_job_is_placed_in_the_inference_pool(
+    admission: Admission, client: Client
+) -> None:
+    job_id = await client.submitted(
+        name="llm-serving", kind="inference", priority_class="inference", gpus={"count": 2}
+    )
+    job = await client.job_in(job_id, "RUNNING")
+    assert {gpu["node"] for gpu in job["allocated"]} == {"inf-00"}
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "invalid"),
+        (b'{"name": "x", "team": "vision"}', "invalid"),
+        (b'{"name": "x", "team": "vision team", "gpus": {"count": 1}}', "invalid"),
+        (b'{"name": "x", "team": "vision", "gpus": {"count": 1}, "priority_class": "inference"}',
+         "invalid"),
+        (b'{"name": "x", "team": "vision", "gpus": {"count": 1, "model": "H100-80GB"}}',
+         "unknown_gpu_model"),
+        (b'{"name": "x", "team": "vision", "gpus": {"count": 5}}', "unsatisfiable"),
+        (b'{"name": "x", "team": "vision", "gpus": {"count": 1, "memory_gib": 100}}',
+         "unsatisfiable"),
+        (b'{"name": "x", "team": "vision", "gpus": {"count": 1, "milli": 500}}', "unsupported"),
+    ],
+    ids=["bad-json", "no-gpus", "bad-team", "class-of-other-kind", "unknown-model",
+         "more-gpus-than-any-pool", "more-memory-than-any-gpu", "fractional"],
+)  # fmt: skip
+async def test_a_bad_submission_is_refused_with_a_code_and_stores_nothing(
+    admission: Admission, client: Client, body: bytes, code: str
+) -> None:
+    reply = await client.request(client.s.api_jobs_submit, body)
+
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == code
+    assert reply["error"]["message"]
+    assert await admission.rows("jobs") == 0
+    assert await admission.rows("allocations") == 0
+
+
+async def test_a_job_of_the_whole_shared_pool_and_whole_gpus_is_accepted(
+    admission: Admission, client: Client
+) -> None:
+    job_id = await client.submitted(gpus={"count": 4, "milli": 1000})
+    assert (await client.job_in(job_id, "RUNNING"))["attempt"] == 1
+
+
+async def test_the_same_idempotency_key_returns_the_same_job(
+    admission: Admission, client: Client
+) -> None:
+    first = await client.submitted(idempotency_key="nightly-42")
+    again = await client.submitted(idempotency_key="nightly-42")
+    other_team = await client.submitted(idempotency_key="nightly-42", team="speech")
+
+    assert again == first
+    assert other_team != first
+    assert await admission.rows("jobs") == 2
+
+
+async def test_getting_an_unknown_job_is_not_found(admission: Admission, client: Client) -> None:
+    reply = await client.request(client.s.api_jobs_get, b'{"job_id": "job-000000000000"}')
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == "not_found"
+
+
+async def test_a_job_that_does_not_fit_waits_queued_and_is_placed_when_another_is_released(
+    admission: Admission, client: Client
+) -> None:
+    big = await client.job_in(await client.submitted(name="big", gpus={"count": 4}), "RUNNING")
+    small_id = await client.submitted(name="small", gpus={"count": 2})
+    [waiting] = await client.audits("job.waiting", small_id, 1)
+    assert "free now: shared 0" in waiting.data["reason"]
+    assert (await client.job(small_id))["state"] == "QUEUED"
+
+    await client.stopped(big, StopReason.COMPLETED)
+
+    small = await client.job_in(small_id, "RUNNING")
+    assert (await client.job(big["job_id"]))["state"] == "COMPLETED"
+    [released] = await client.events(client.s.event(ADMISSION, T.ALLOCATION_RELEASED), 1)
+    assert released.data["allocation_id"] == big["allocation_id"]
+    assert released.data["reason"] == "completed"
+    assert len(released.data["gpus"]) == 4
+    assert small["allocated"][0]["node"] == "shared-00"
+    # The wait was audited once, not on every scheduling pass.
+    assert len(await client.audits("job.waiting", small_id, 1)) == 1
+
+
+# --- lending to inference and giving back ----------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["stopped-first", "outcome-first"])
+async def test_gpus_reserved_for_inference_stay_reserved_and_the_evicted_job_is_requeued(
+    admission: Admission, client: Client, order: str
+) -> None:
+    victim = await client.job_in(await client.submitted(name="victim", gpus={"count": 4}),
+                                 "RUNNING")  # fmt: skip
+    other_id = await client.submitted(name="other", gpus={"count": 2}, priority_class="p2-offline")
+    await client.audits("job.waiting", other_id, 1)
+
+    await client.reserve("decision-1", [victim["allocation_id"]])
+    [reserved] = await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+    assert len(reserved.data["gpus"]) == 4
+    assert reserved.data["pending"] == reserved.data["gpus"]
+
+    await evict(client, victim, order)
+
+    requeued = await client.job_in(victim["job_id"], "QUEUED")
+    assert requeued["resume_from"]["checkpoint_id"] == "ckpt-7"
+    assert requeued["latest_checkpoint"]["checkpoint_id"] == "ckpt-7"
+    assert requeued["allocated"] == []
+    [released] = await client.events(client.s.event(ADMISSION, T.ALLOCATION_RELEASED), 1)
+    assert released.data["reason"] == "evicted"
+    # A pass after the requeue looked at both jobs: neither got the lent GPUs.
+    await client.audits("job.waiting", victim["job_id"], 1)
+    assert (await client.job(other_id))["state"] == "QUEUED"
+    assert shared(await admission.capacity()) == (0, 4, 0)
+
+
+async def test_gpus_returned_to_shared_resume_the_preempted_job_from_its_checkpoint(
+    admission: Admission, client: Client
+) -> None:
+    victim = await client.job_in(await client.submitted(name="victim", gpus={"count": 4}),
+                                 "RUNNING")  # fmt: skip
+    await client.reserve("decision-1", [victim["allocation_id"]])
+    await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+    await evict(client, victim, "stopped-first")
+    await client.job_in(victim["job_id"], "QUEUED")
+
+    await client.return_gpus("decision-2", 4)
+
+    [returned] = await client.events(client.s.event(ADMISSION, T.GPUS_RETURNED), 1)
+    assert len(returned.data["gpus"]) == 4
+    resumed = await client.job_in(victim["job_id"], "RUNNING")
+    assert resumed["attempt"] == 2
+    assert resumed["allocation_id"] != victim["allocation_id"]
+    _, start = await client.events(client.s.command("agent", T.START_WORKLOAD), 2)
+    assert start.data["attempt"] == 2
+    assert start.data["resume_from"]["checkpoint_id"] == "ckpt-7"
+    _, granted = await client.events(client.s.event(ADMISSION, T.ALLOCATION_GRANTED), 2)
+    assert granted.data["resume_from"]["checkpoint_id"] == "ckpt-7"
+    assert granted.data["attempt"] == 2
+
+
+async def test_reserving_lends_idle_shared_gpus_and_reports_what_it_could_not(
+    admission: Admission, client: Client
+) -> None:
+    running = await client.job_in(await client.submitted(gpus={"count": 1}), "RUNNING")
+
+    await client.reserve("decision-1", ["alloc-unknown"], free_gpus=5)
+
+    [reserved] = await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+    assert len(reserved.data["gpus"]) == 3  # every idle shared GPU, not the running one
+    assert reserved.data["pending"] == []
+    [audit] = await client.audits("gpus.reserved", "res-1", 1)
+    assert audit.data["details"]["unknown_allocations"] == ["alloc-unknown"]
+    assert audit.data["details"]["free_given"] == 3
+    assert shared(await admission.capacity()) == (1, 3, 0)
+    assert (await client.job(running["job_id"]))["state"] == "RUNNING"
+
+
+# --- durability and delivery -------------------------------------------------------------
+
+
+async def test_a_restarted_service_rebuilds_the_same_ledger_from_the_database(
+    admission_settings: Settings, client: Client
+) -> None:
+    first = await start_admission(admission_settings)
+    try:
+        running = await client.job_in(await client.submitted(gpus={"count": 2}), "RUNNING")
+        await client.reserve("decision-1", [], free_gpus=1)
+        await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+        before = await first.capacity()
+        assert shared(before) == (2, 1, 1)
+    finally:
+        await first.stop()
+
+    second = await start_admission(admission_settings)
+    try:
+        assert await second.capacity() == before
+        # The rebuilt ledger still holds the running job's GPUs and the lent one.
+        waiting = await client.submitted(name="too-big-now", gpus={"count": 2})
+        await client.audits("job.waiting", waiting, 1)
+        fits = await client.job_in(await client.submitted(gpus={"count": 1}), "RUNNING")
+        assert fits["allocated"][0] not in running["allocated"]
+        assert len(await client.all_events(client.s.event(ADMISSION, T.INVENTORY_LOADED))) == 1
+    finally:
+        await second.stop()
+
+
+async def test_two_replicas_share_one_ledger_and_never_give_a_gpu_twice(
+    admission_settings: Settings, client: Client
+) -> None:
+    replicas = [await start_admission(admission_settings) for _ in range(2)]
+    try:
+        job_ids = [await client.submitted(name=f"j{i}", gpus={"count": 1}) for i in range(6)]
+
+        async def states() -> dict[str, list[dict[str, Any]]]:
+            jobs = [await client.job(job_id) for job_id in job_ids]
+            return {
+                state: [job for job in jobs if job["state"] == state]
+                for state in ("RUNNING", "QUEUED", "COMPLETED")
+            }
+
+        async def split(running: int, queued: int) -> dict[str, list[dict[str, Any]]] | None:
+            now = await states()
+            return now if (len(now["RUNNING"]), len(now["QUEUED"])) == (running, queued) else None
+
+        first = await eventually(lambda: split(4, 2), within=20)
+        # Releases land on either replica (one durable consumer); placements on the leader.
+        for job in first["RUNNING"][:2]:
+            await client.stopped(job, StopReason.COMPLETED)
+        second = await eventually(lambda: split(4, 0), within=20)
+
+        held = [(g["node"], g["index"]) for job in second["RUNNING"] for g in job["allocated"]]
+        assert len(held) == len(set(held)) == 4
+        assert [shared(await r.capacity()) for r in replicas] == [(4, 0, 0), (4, 0, 0)]
+    finally:
+        for replica in replicas:
+            await replica.stop()
+
+
+def _malformed(message_type: str) -> bytes:
+    return json.dumps(
+        {"id": f"bad-{message_type}", "type": message_type, "source": "test",
+         "time": "2026-01-01T00:00:00Z", "data": {"allocation_id": 7}}
+    ).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("service", "kind", "message_type"),
+    [
+        ("admission", "command", T.RESERVE_FOR_INFERENCE),
+        ("admission", "command", T.RETURN_TO_SHARED),
+        ("agent", "event", T.WORKLOAD_STOPPED),
+        ("checkpoint", "event", T.EVICTION_COMPLETED),
+        ("checkpoint", "event", T.EVICTION_FORCED),
+        ("checkpoint", "event", T.EVICTION_ABORTED),
+        ("checkpoint", "event", T.EVICTION_CANCELLED),
+    ],
+)
+async def test_a_malformed_message_on_a_consumed_subject_is_dead_lettered_and_changes_nothing(
+    admission: Admission, client: Client, service: str, kind: str, message_type: str
+) -> None:
+    job = await client.job_in(await client.submitted(gpus={"count": 2}), "RUNNING")
+    before = await admission.capacity()
+    subject = (
+        client.s.command(service, message_type)
+        if kind == "command"
+        else client.s.event(service, message_type)
+    )
+
+    await client.js.publish(subject, _malformed(message_type))
+
+    [dead] = await stream_messages(client.js, client.s.dead_letter(ADMISSION), 1, within=20)
+    assert dead.headers is not None
+    assert dead.headers["Gpusched-Original-Subject"] == subject
+    assert dead.headers["Gpusched-Reason"] == "malformed"
+    assert await admission.capacity() == before
+    assert (await client.job(job["job_id"]))["state"] == "RUNNING"
+
+
+async def test_a_workload_stopped_for_an_unknown_allocation_is_dead_lettered(
+    admission: Admission, client: Client
+) -> None:
+    ghost = {"allocation_id": "alloc-000000000000", "job_id": "job-000000000000"}
+    await client.stopped(ghost, StopReason.COMPLETED)
+
+    [dead] = await stream_messages(client.js, client.s.dead_letter(ADMISSION), 1, within=20)
+    assert dead.headers is not None
+    assert dead.headers["Gpusched-Reason"] == "rejected"
+    # The refused transaction left the ledger as it was: the next job fits as before.
+    job = await client.job_in(await client.submitted(gpus={"count": 4}), "RUNNING")
+    assert len(job["allocated"]) == 4
+
+
+async def test_the_same_envelope_delivered_twice_has_one_effect(
+    admission: Admission, client: Client
+) -> None:
+    command = make_envelope(
+        T.RESERVE_FOR_INFERENCE,
+        ReserveForInference(reservation_id="res-1", decision_id="decision-1", free_gpus=1),
+        source="test",
+    )
+    subject = client.s.command(ADMISSION, T.RESERVE_FOR_INFERENCE)
+    # No Nats-Msg-Id: JetStream stores both copies, so only the service can dedupe.
+    await client.js.publish(subject, command.to_bytes())
+    await client.js.publish(subject, command.to_bytes())
+    await client.reserve("decision-2", [], free_gpus=1)
+
+    first, second = await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 2)
+    assert first.causation_id == command.id
+    assert second.causation_id != command.id
+    assert len(await client.all_events(client.s.event(ADMISSION, T.GPUS_RESERVED))) == 2
+    assert shared(await admission.capacity()) == (0, 2, 2)
+
+
+async def test_a_missing_inventory_file_stops_the_start_with_a_clear_error(
+    admission_settings: Settings, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nowhere.yaml"
+    settings = admission_settings.model_copy(
+        update={"admission": admission_settings.admission.model_copy(
+            update={"inventory_path": missing})}
+    )  # fmt: skip
+    rt = ServiceRuntime(ADMISSION, SCHEMA, settings, migrations_dir(admission_app.__file__))
+    await rt.start()
+    try:
+        with pytest.raises(InventoryUnavailable, match=r"nowhere\.yaml"):
+            await assemble(rt)
+    finally:
+        await rt.close()
