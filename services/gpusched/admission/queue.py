@@ -9,12 +9,12 @@ from gpusched.domain.ledger import PriorityClass
 
 
 class JobState(StrEnum):
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
+    QUEUED = "queued"
+    RUNNING = "running"
     # Evicted by a saga whose outcome (the checkpoint to resume from) has not arrived.
-    PREEMPTED = "PREEMPTED"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
+    PREEMPTED = "preempted"
+    COMPLETED = "completed"
+    FAILED = "failed"
 
 
 # Inference first: it is never made to wait behind training (DESIGN §7).

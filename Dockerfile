@@ -1,0 +1,41 @@
+# One image for every gpusched service: `docker run IMAGE service <name>`,
+# `docker run IMAGE migrate`, or any other `gpusched` subcommand.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Prometheus scrapes /metrics from outside the container, so bind every interface.
+ENV GPUSCHED_METRICS_HOST=0.0.0.0 \
+    GPUSCHED_METRICS_PORT=9100
+
+# Writable state (the agent's job dirs and checkpoints) lives outside the code tree,
+# so the code stays owned by root and read-only for the service user.
+ENV GPUSCHED_DATA_DIR=/var/lib/gpusched \
+    GPUSCHED_AGENT__WORKDIR=/var/lib/gpusched/agent
+
+RUN groupadd --system --gid 10001 gpusched \
+    && useradd --system --uid 10001 --gid gpusched --home-dir /var/lib/gpusched \
+       --create-home --shell /usr/sbin/nologin gpusched
+
+WORKDIR /app
+
+# The wheel build (hatchling) needs pyproject.toml, README.md and both package roots;
+# copying only these first keeps the dependency layer cached across deploy/ edits.
+COPY pyproject.toml README.md ./
+COPY libs ./libs
+COPY services ./services
+RUN pip install --no-cache-dir .
+
+# Relative paths in the settings (deploy/inventory/demo.yaml, deploy/prices.yaml)
+# resolve against WORKDIR; Kubernetes mounts its ConfigMap over these files.
+COPY deploy ./deploy
+# Scripts the simulated cluster may launch; a workload's argv is relative to /app.
+COPY examples ./examples
+
+USER 10001:10001
+EXPOSE 9100
+
+ENTRYPOINT ["gpusched"]
+CMD ["service", "admission"]

@@ -1,0 +1,225 @@
+"""`gpusched`: run the control plane and talk to it.
+
+gpusched up                 embedded NATS + PostgreSQL (unless GPUSCHED_NATS_URL /
+                            GPUSCHED_DATABASE_URL are set), every service as a process
+gpusched demo               `up` plus a scripted inference surge, as a timeline
+gpusched service NAME       run one service (what containers run)
+gpusched migrate            create streams and run every service's migrations
+gpusched submit ...         submit a training job
+gpusched get JOB_ID         a job's state, allocation and checkpoint
+gpusched bill [--team T]    billing statements per team
+gpusched audit [--follow]   the audit stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpusched.cli.client import ApiClient, ApiError
+from gpusched.cli.stack import SERVICES, Stack, prepare
+from gpusched.contracts.envelope import Envelope
+from gpusched.contracts.messages import GpuRequest, JobKind, PriorityClassName, SubmitJob
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra.settings import Settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    code: int = args.run(args)
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpusched", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+
+    up = sub.add_parser("up", help="run NATS, PostgreSQL and every service")
+    up.add_argument("--log-dir", help="write each service's output to LOG_DIR/<service>.log")
+    up.set_defaults(run=_up)
+
+    demo = sub.add_parser("demo", help="run the stack and play an inference surge")
+    demo.add_argument("--keep-data", action="store_true", help="keep the demo's data dir")
+    demo.set_defaults(run=_demo)
+
+    svc = sub.add_parser("service", help="run one service in this process")
+    svc.add_argument("name", choices=SERVICES)
+    svc.set_defaults(run=_service)
+
+    mig = sub.add_parser("migrate", help="create streams and run every service's migrations")
+    mig.set_defaults(run=_migrate)
+
+    submit = sub.add_parser("submit", help="submit a training job")
+    submit.add_argument("--name", required=True)
+    submit.add_argument("--team", required=True)
+    submit.add_argument("--gpus", type=int, required=True)
+    submit.add_argument("--model")
+    submit.add_argument(
+        "--priority", default="p1-normal", choices=[c.value for c in PriorityClassName]
+    )
+    submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
+    submit.add_argument("--idempotency-key")
+    submit.set_defaults(run=_submit)
+
+    get = sub.add_parser("get", help="show a job")
+    get.add_argument("job_id")
+    get.set_defaults(run=_get)
+
+    bill = sub.add_parser("bill", help="billing statements per team")
+    bill.add_argument("--team")
+    bill.set_defaults(run=_bill)
+
+    audit = sub.add_parser("audit", help="print the audit stream")
+    audit.add_argument("--follow", action="store_true")
+    audit.set_defaults(run=_audit)
+    return p
+
+
+def _logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(message)s")
+
+
+def _up(args: argparse.Namespace) -> int:
+    settings = Settings()
+    _logging(settings)
+    stack = Stack(settings, log_dir=None if args.log_dir is None else Path(args.log_dir))
+    resolved = stack.start()
+    print(f"gpusched is up: NATS {resolved.nats_url}, PostgreSQL {resolved.database_url}")
+    print("Ctrl-C stops every service and server.")
+    try:
+        assert stack.supervisor is not None
+        return stack.supervisor.wait()
+    finally:
+        stack.stop()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gpusched.cli.demo import run_demo
+
+    return run_demo(keep_data=args.keep_data)
+
+
+def _service(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"gpusched.{args.name}.app")
+    module.main()
+    return 0
+
+
+def _migrate(_: argparse.Namespace) -> int:
+    settings = Settings()
+    settings.require_urls()
+    asyncio.run(prepare(settings))
+    print("streams and migrations are up to date")
+    return 0
+
+
+def _nats_url(settings: Settings) -> str:
+    if not settings.nats_url:
+        print("set GPUSCHED_NATS_URL to the NATS of a running stack", file=sys.stderr)
+        raise SystemExit(2)
+    return settings.nats_url
+
+
+def _submit(args: argparse.Namespace) -> int:
+    settings = Settings()
+    job = SubmitJob(
+        name=args.name,
+        team=args.team,
+        kind=JobKind(args.kind),
+        priority_class=PriorityClassName(args.priority),
+        gpus=GpuRequest(count=args.gpus, model=args.model),
+        idempotency_key=args.idempotency_key,
+    )
+
+    async def go() -> int:
+        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+            reply = await api.submit(job)
+        print(reply.model_dump_json(indent=2, exclude_none=True))
+        return 0 if reply.ok else 1
+
+    return _api_call(go)
+
+
+def _get(args: argparse.Namespace) -> int:
+    settings = Settings()
+
+    async def go() -> int:
+        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+            reply = await api.get(args.job_id)
+        print(reply.model_dump_json(indent=2, exclude_none=True))
+        return 0 if reply.ok else 1
+
+    return _api_call(go)
+
+
+def _bill(args: argparse.Namespace) -> int:
+    settings = Settings()
+
+    async def go() -> int:
+        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+            reply = await api.call("api.billing.statement", {"team": args.team})
+        if not reply.get("ok"):
+            print(json.dumps(reply, indent=2), file=sys.stderr)
+            return 1
+        print(reply.get("text", ""))
+        return 0
+
+    return _api_call(go)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    import nats
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    settings = Settings()
+    subjects = Subjects(settings.subject_prefix)
+
+    async def go() -> int:
+        nc = await nats.connect(_nats_url(settings))
+        try:
+            js = nc.jetstream()
+            sub = await js.subscribe(
+                subjects.audit(">"),
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+                manual_ack=False,
+            )
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1.0 if not args.follow else 3600)
+                except nats.errors.TimeoutError:
+                    if not args.follow:
+                        return 0
+                    continue
+                env = Envelope.from_bytes(msg.data)
+                d = env.data
+                when = f"{env.time:%H:%M:%S}"
+                print(f"{when} {d['actor']:<10} {d['action']:<24} {d['entity']}: {d['reason']}")
+        finally:
+            await nc.close()
+
+    return _api_call(go)
+
+
+def _api_call(go: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    try:
+        return asyncio.run(go())
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Billing: the append-only usage ledger, credits for forced preemption, statements."""

@@ -1,0 +1,91 @@
+"""Request/reply contract of `<p>.api.billing.statement`.
+
+Amounts travel as JSON strings ("12.34"), never floats: pydantic serializes Decimal as
+a string, and a client parsing the reply with these models gets Decimal back.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from enum import StrEnum
+
+from pydantic import AwareDatetime, Field, model_validator
+
+from gpusched.contracts.messages import ApiError, Wire
+
+
+def statement_subject(prefix: str) -> str:
+    return f"{prefix}.api.billing.statement"
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_GPU_MODEL = "unknown_gpu_model"
+
+
+class StatementRequest(Wire):
+    """Statements for one team (or every team) over [period_start, period_end).
+
+    period_start defaults to the first usage or credit on record, period_end to now.
+    """
+
+    team: str | None = Field(default=None, min_length=1, max_length=64)
+    period_start: AwareDatetime | None = None
+    period_end: AwareDatetime | None = None
+
+    @model_validator(mode="after")
+    def _period_is_ordered(self) -> StatementRequest:
+        if (
+            self.period_start is not None
+            and self.period_end is not None
+            and self.period_end <= self.period_start
+        ):
+            raise ValueError("period_end must be after period_start")
+        return self
+
+
+class LineView(Wire):
+    allocation_id: str
+    job_id: str
+    kind: str
+    gpu_model: str
+    start: datetime
+    end: datetime
+    open: bool  # still allocated: billed up to the end of the period or now
+    gpu_seconds: Decimal
+    gpu_cost: Decimal
+    cpu_cost: Decimal
+    memory_cost: Decimal
+    disk_cost: Decimal
+    requests: Decimal
+    request_cost: Decimal
+    total: Decimal
+
+
+class CreditView(Wire):
+    allocation_id: str
+    job_id: str
+    gpu_model: str
+    at: datetime
+    lost_gpu_seconds: Decimal
+    amount: Decimal  # negative
+
+
+class StatementView(Wire):
+    team: str
+    currency: str
+    period_start: datetime
+    period_end: datetime
+    lines: list[LineView]
+    credits: list[CreditView]
+    subtotal: Decimal
+    credits_total: Decimal
+    total: Decimal  # rounded to cents; negative when credits exceed usage
+
+
+class StatementReply(Wire):
+    ok: bool
+    statements: list[StatementView] = Field(default_factory=list)
+    text: str = ""
+    error: ApiError | None = None
