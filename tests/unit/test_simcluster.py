@@ -135,7 +135,8 @@ def test_the_inference_pool_serves_and_lent_gpus_join_it() -> None:
 
 def test_a_pending_gpu_serves_only_once_its_allocation_is_released() -> None:
     view = _view()
-    view.apply_reserved("r1", [], pending=[GpuRef("shared-00", 1), GpuRef("shared-00", 2)])
+    pending = [GpuRef("shared-00", 1), GpuRef("shared-00", 2)]
+    view.apply_reserved("r1", pending, pending=pending)
     assert GpuRef("shared-00", 1) not in view.serving_gpus()
     view.apply_released([GpuRef("shared-00", 1), GpuRef("shared-00", 3)])
     assert GpuRef("shared-00", 1) in view.serving_gpus()

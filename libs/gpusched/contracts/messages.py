@@ -283,9 +283,12 @@ class AllocationReleased(Wire):
 
 
 class GpusReserved(Wire):
+    """GPUs lent to inference. `gpus` lists every GPU newly reserved; `pending` is the
+    subset training still holds: those serve inference once their allocation ends."""
+
     reservation_id: str
     gpus: list[GpuRef]
-    pending: list[GpuRef] = Field(default_factory=list)  # still allocated, reserved on release
+    pending: list[GpuRef] = Field(default_factory=list)
 
 
 class GpusReturned(Wire):

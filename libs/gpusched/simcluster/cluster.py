@@ -49,8 +49,11 @@ class ClusterView:
     def apply_reserved(
         self, reservation_id: str, gpus: Iterable[GpuRef], pending: Iterable[GpuRef]
     ) -> None:
-        self._lent[reservation_id] = set(gpus)
-        self._pending[reservation_id] = set(pending)
+        # `gpus` is every GPU of the reservation, `pending` the ones training still
+        # holds: those serve inference only once their allocation is released.
+        waiting = set(pending)
+        self._lent[reservation_id] = set(gpus) - waiting
+        self._pending[reservation_id] = waiting
 
     def apply_returned(self, reservation_id: str, gpus: Iterable[GpuRef]) -> None:
         returned = set(gpus)
