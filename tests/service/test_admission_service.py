@@ -30,6 +30,7 @@ from gpusched.admission.app import SCHEMA, AdmissionService, InventoryUnavailabl
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import (
     CheckpointInfo,
+    EvictionAborted,
     EvictionCompleted,
     ReserveForInference,
     ReturnToShared,
@@ -437,6 +438,32 @@ async def test_gpus_reserved_for_inference_stay_reserved_and_the_evicted_job_is_
     await client.audits("job.waiting", victim["job_id"], 1)
     assert (await client.job(other_id))["state"] == "queued"
     assert shared(await admission.capacity()) == (0, 4, 0)
+
+
+async def test_a_victim_whose_eviction_is_aborted_keeps_its_gpus_and_they_return_to_training(
+    admission: Admission, client: Client
+) -> None:
+    victim = await client.job_in(await client.submitted(name="victim", gpus={"count": 4}),
+                                 "running")  # fmt: skip
+    await client.reserve("decision-1", [victim["allocation_id"]])
+    await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+
+    await client.publish(
+        client.s.event("checkpoint", T.EVICTION_ABORTED),
+        T.EVICTION_ABORTED,
+        EvictionAborted(
+            saga_id="saga-1", request_id="req-1", allocation_id=victim["allocation_id"],
+            job_id=victim["job_id"], reason="deadline_aborted",
+        ),
+    )  # fmt: skip
+
+    [returned] = await client.events(client.s.event(ADMISSION, T.GPUS_RETURNED), 1)
+    assert len(returned.data["gpus"]) == 4
+    assert (await client.job(victim["job_id"]))["state"] == "running"
+    # When the job ends on its own, its GPUs are free for training, not lent.
+    await client.stopped(victim, StopReason.COMPLETED)
+    await client.job_in(victim["job_id"], "completed")
+    assert shared(await admission.capacity())[1] == 0
 
 
 async def test_gpus_returned_to_shared_resume_the_preempted_job_from_its_checkpoint(

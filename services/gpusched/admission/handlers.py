@@ -456,21 +456,64 @@ class Admission:
 
     async def on_eviction_aborted(self, envelope: Envelope, uow: UnitOfWork) -> None:
         aborted = envelope.payload(EvictionAborted)
-        await uow.audit(
-            "job.eviction_aborted",
-            entity=aborted.job_id,
-            reason=f"{aborted.reason}; the job keeps its GPUs (preemption decides what next)",
-            details={"allocation_id": aborted.allocation_id, "saga_id": aborted.saga_id},
-            causation_id=envelope.id,
-        )
+        await self._keep_gpus(
+            uow, envelope, "job.eviction_aborted", aborted.allocation_id, aborted.job_id,
+            aborted.saga_id, f"{aborted.reason}; the job keeps its GPUs",
+        )  # fmt: skip
 
     async def on_eviction_cancelled(self, envelope: Envelope, uow: UnitOfWork) -> None:
         cancelled = envelope.payload(EvictionCancelled)
+        await self._keep_gpus(
+            uow, envelope, "job.eviction_cancelled", cancelled.allocation_id, cancelled.job_id,
+            cancelled.saga_id, f"{cancelled.reason}; the job keeps its GPUs",
+        )  # fmt: skip
+
+    async def _keep_gpus(
+        self,
+        uow: UnitOfWork,
+        envelope: Envelope,
+        action: str,
+        allocation_id: str,
+        job_id: str,
+        saga_id: str,
+        reason: str,
+    ) -> None:
+        """The victim keeps running, so the reservation waiting for its GPUs is lifted:
+        when it ends they go back to training, not to inference. (If the controller still
+        needs GPUs it reserves another victim's.)"""
+        ledger = await self._keeper.hold(uow)
+        held = await store.allocation(uow, allocation_id)
+        waiting: tuple[d.GpuRef, ...] = ()
+        if held is not None and held.live and allocation_id in ledger.allocations:
+            waiting = tuple(
+                ref
+                for ref in ledger.allocation(allocation_id).gpus
+                if ledger.gpu(ref).reserved_for is not None
+            )
+        if waiting:
+            by_reservation: dict[str, list[d.GpuRef]] = {}
+            for ref in waiting:
+                by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
+            returned = ledger.return_to_shared(gpus=waiting)
+            await self._keeper.save(uow, returned.gpus)
+            for reservation_id, mine in sorted(by_reservation.items()):
+                await uow.emit(
+                    uow.subjects.event(uow.source, T.GPUS_RETURNED),
+                    T.GPUS_RETURNED,
+                    GpusReturned(reservation_id=reservation_id, gpus=wire.gpus(mine, ledger)),
+                    correlation_id=saga_id,
+                    causation_id=envelope.id,
+                )
         await uow.audit(
-            "job.eviction_cancelled",
-            entity=cancelled.job_id,
-            reason=f"{cancelled.reason}; the job keeps its GPUs",
-            details={"allocation_id": cancelled.allocation_id, "saga_id": cancelled.saga_id},
+            action,
+            entity=job_id,
+            reason=reason
+            + (f"; {len(waiting)} GPUs no longer reserved for inference" if waiting else ""),
+            details={
+                "allocation_id": allocation_id,
+                "saga_id": saga_id,
+                "unreserved": [str(ref) for ref in waiting],
+            },
             causation_id=envelope.id,
         )
 
