@@ -7,6 +7,7 @@ users do: the jobs API, the simulated inference demand, and the bus.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,11 @@ FAST = {
     "GPUSCHED_CHECKPOINT__SWEEP_INTERVAL_S": "0.2",
     "GPUSCHED_OUTBOX__POLL_INTERVAL_S": "0.2",
     "GPUSCHED_LOG_LEVEL": "WARNING",
+    # Every class waits for the durable (persisted) stage, so a slow persist is a job
+    # that cannot confirm in time.
+    "GPUSCHED_CHECKPOINT__STAGE_REQUIRED": json.dumps(
+        {"p0-urgent": "persisted", "p1-normal": "persisted", "p2-offline": "persisted"}
+    ),
 }
 
 
@@ -218,3 +224,146 @@ async def _attempt_running(cluster: Cluster, job_id: str, attempt: int) -> bool:
 
 async def _async(value: Any) -> Any:
     return value
+
+
+@pytest.fixture
+def stack_short_grace(settings: Settings, tmp_path: Path) -> Iterator[Stack]:
+    # A 2 s deadline; p2 jobs are forced at the deadline (the default), p1 jobs aborted.
+    yield from start_stack(
+        _stack_settings(settings, tmp_path), tmp_path, {"GPUSCHED_CHECKPOINT__GRACE_S": "2"}
+    )
+
+
+@pytest.fixture
+async def short_grace(stack_short_grace: Stack) -> AsyncIterator[Cluster]:
+    async for c in cluster_on(stack_short_grace.settings):
+        yield c
+
+
+async def _fill_shared_pool(
+    cluster: Cluster, p2_checkpoint_s: float, p1_checkpoint_s: float = 0.2
+) -> tuple[str, str]:
+    """p2 (8 GPUs) + p1 (16) + p0 (16) fill the 40 shared GPUs; returns (p2, p1) ids."""
+    p2 = await cluster.submit("p2", PriorityClassName.P2_OFFLINE, 8, checkpoint_s=p2_checkpoint_s)
+    p1 = await cluster.submit("p1", PriorityClassName.P1_NORMAL, 16, checkpoint_s=p1_checkpoint_s)
+    p0 = await cluster.submit("p0", PriorityClassName.P0_URGENT, 16)
+    for job in (p2, p1, p0):
+        await eventually(lambda job=job: _is(cluster, job, "running"), within=30)
+    return p2, p1
+
+
+async def test_a_job_that_cannot_checkpoint_in_time_is_forced_and_its_lost_work_recorded(
+    short_grace: Cluster,
+) -> None:
+    cluster = short_grace
+    slow, _ = await _fill_shared_pool(cluster, p2_checkpoint_s=60.0)
+
+    await cluster.demand(22.0)
+    [forced] = await eventually(
+        lambda: _async(cluster.bus.of(T.EVICTION_FORCED, job_id=slow)), within=60
+    )
+    assert forced["lost_gpu_seconds"] > 0
+    [evict] = cluster.bus.of(T.EVICT_WORKLOAD, job_id=slow)
+    assert evict["forced"] is True
+    # No confirmation of the required (persisted) stage arrived before the deadline: the
+    # force is what the p2 policy says, and only then.
+    [request] = cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=slow)
+    assert request["stage_required"] == "persisted"
+    evict_at = cluster.bus.index(T.EVICT_WORKLOAD, job_id=slow)
+    assert not [
+        i
+        for i, d in cluster.bus.confirmations(slow)
+        if d["request_id"] == request["request_id"] and d["stage"] == "persisted" and i < evict_at
+    ]
+    await eventually(lambda: _audited(cluster, "eviction.forced", forced["saga_id"]), within=20)
+    # Billing credits the lost work to the team.
+    bill = await eventually(lambda: _credited(cluster), within=20)
+    assert bill
+
+
+@pytest.fixture
+def stack_abort(settings: Settings, tmp_path: Path) -> Iterator[Stack]:
+    # A 2 s deadline, and every class aborts at the deadline instead of forcing.
+    abort_all = {"p0-urgent": "abort", "p1-normal": "abort", "p2-offline": "abort"}
+    yield from start_stack(
+        _stack_settings(settings, tmp_path),
+        tmp_path,
+        {
+            "GPUSCHED_CHECKPOINT__GRACE_S": "2",
+            "GPUSCHED_CHECKPOINT__DEADLINE_POLICY": json.dumps(abort_all),
+        },
+    )
+
+
+@pytest.fixture
+async def abort_policy(stack_abort: Stack) -> AsyncIterator[Cluster]:
+    async for c in cluster_on(stack_abort.settings):
+        yield c
+
+
+async def test_a_job_that_cannot_checkpoint_in_time_keeps_running_and_another_victim_goes(
+    abort_policy: Cluster,
+) -> None:
+    cluster = abort_policy
+    # The p2 job is chosen first but cannot persist within the deadline; the p1 job can.
+    slow_p2, fast_p1 = await _fill_shared_pool(cluster, p2_checkpoint_s=60.0, p1_checkpoint_s=0.2)
+
+    await cluster.demand(22.0)
+    [aborted] = await eventually(
+        lambda: _async(cluster.bus.of(T.EVICTION_ABORTED, job_id=slow_p2)), within=60
+    )
+    assert aborted["reason"]
+    # The p2 job was told to keep training and was never evicted.
+    [cancel] = await eventually(lambda: _async(cluster.bus.of(T.PREEMPTION_CANCELLED)), within=20)
+    [request] = cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=slow_p2)
+    assert cancel["request_id"] == request["request_id"]
+    assert not cluster.bus.of(T.EVICT_WORKLOAD, job_id=slow_p2)
+    assert await cluster.state(slow_p2) == "running"
+    # Another victim was chosen in its place, and evicted only after its confirmation.
+    [completed] = await eventually(
+        lambda: _async(cluster.bus.of(T.EVICTION_COMPLETED, job_id=fast_p1)), within=60
+    )
+    assert completed["checkpoint"]["stage"] == "persisted"
+    [replacement] = cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=fast_p1)
+    evict_at = cluster.bus.index(T.EVICT_WORKLOAD, job_id=fast_p1)
+    assert evict_at is not None and any(
+        i < evict_at
+        for i, d in cluster.bus.confirmations(fast_p1)
+        if d["request_id"] == replacement["request_id"] and d["stage"] == "persisted"
+    )
+
+
+async def test_a_surge_that_ends_before_the_checkpoint_cancels_the_eviction(
+    cluster: Cluster,
+) -> None:
+    slow, _ = await _fill_shared_pool(cluster, p2_checkpoint_s=15.0)
+
+    await cluster.demand(22.0)
+    await eventually(lambda: _async(cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=slow)), within=60)
+    await cluster.demand(6.0)  # the need disappears while the job is still saving
+
+    [cancelled] = await eventually(
+        lambda: _async(cluster.bus.of(T.EVICTION_CANCELLED, job_id=slow)), within=60
+    )
+    assert cancelled["reason"]
+    assert cluster.bus.of(T.PREEMPTION_CANCELLED)
+    assert not cluster.bus.of(T.EVICT_WORKLOAD, job_id=slow)
+    assert await cluster.state(slow) == "running"
+
+
+async def _audited(cluster: Cluster, action: str, entity: str) -> bool:
+    from tests.support.waiting import stream_messages
+
+    msgs = await stream_messages(
+        cluster.nc.jetstream(), cluster.subjects.audit(action), 1, within=5
+    )
+    return any(Envelope.from_bytes(m.data).data["entity"] == entity for m in msgs)
+
+
+async def _credited(cluster: Cluster) -> bool:
+    reply = await cluster.api.call("api.billing.statement", {"team": "e2e"})
+    return (
+        bool(reply.get("ok"))
+        and "redit" in str(reply.get("text", ""))
+        and any(s.get("credits") for s in reply.get("statements", []))
+    )
