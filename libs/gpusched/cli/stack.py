@@ -42,7 +42,11 @@ async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> Non
     nats_url, db_url = settings.require_urls()
     nc = await bus.connect(nats_url, "gpusched-prepare")
     try:
-        await bus.ensure_streams(nc.jetstream(), Subjects(settings.subject_prefix).streams())
+        await bus.ensure_streams(
+            nc.jetstream(),
+            Subjects(settings.subject_prefix).streams(),
+            replicas=settings.bus.stream_replicas,
+        )
     finally:
         await nc.close()
     engine = create_engine(db_url, pool_size=1)

@@ -52,7 +52,9 @@ async def connect(url: str, name: str) -> NatsClient:
     )
 
 
-async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec]) -> None:
+async def ensure_streams(
+    js: JetStreamContext, specs: Sequence[StreamSpec], *, replicas: int = 1
+) -> None:
     """Create or update the streams; safe to run from every service at start."""
     for spec in specs:
         config = StreamConfig(
@@ -60,6 +62,7 @@ async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec]) -> N
             subjects=list(spec.subjects),
             max_age=spec.max_age_s or None,
             duplicate_window=spec.duplicate_window_s,
+            num_replicas=replicas,
         )
         try:
             await js.stream_info(spec.name)

@@ -66,8 +66,10 @@ class ServiceRuntime:
         self.subjects = Subjects(self.settings.subject_prefix)
         tracing.setup(self.name, self.settings.trace_file)
         self.nc = await bus.connect(nats_url, f"gpusched-{self.name}")
-        self.js = self.nc.jetstream()
-        await bus.ensure_streams(self.js, self.subjects.streams())
+        self.js = self.nc.jetstream(publish_async_max_pending=self.settings.outbox.max_pending_acks)
+        await bus.ensure_streams(
+            self.js, self.subjects.streams(), replicas=self.settings.bus.stream_replicas
+        )
         self.engine = create_engine(db_url, pool_size=self.settings.db_pool_size)
         if self.migrations is not None:
             await migrate(self.engine, self.schema, self.migrations)

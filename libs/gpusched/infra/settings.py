@@ -22,6 +22,9 @@ class BusSettings(Section):
     ack_wait_s: float = Field(default=30.0, gt=0)
     fetch_batch: int = Field(default=64, ge=1)
     nak_delay_s: float = Field(default=0.5, ge=0)
+    stream_replicas: int = Field(
+        default=1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)"
+    )
 
 
 class OutboxSettings(Section):
