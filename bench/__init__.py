@@ -1,0 +1,1 @@
+"""Benchmarks of gpusched's hot paths, run by `make bench` (`python -m bench`)."""

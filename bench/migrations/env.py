@@ -1,0 +1,3 @@
+from gpusched.infra.migrations import run_env
+
+run_env()
