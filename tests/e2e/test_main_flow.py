@@ -153,7 +153,9 @@ async def cluster_on(settings: Settings) -> AsyncIterator[Cluster]:
 def _stack_settings(settings: Settings, tmp_path: Path) -> Settings:
     inventory = Path(__file__).resolve().parents[2] / "deploy" / "inventory" / "demo.yaml"
     assert inventory.exists()
-    return settings.model_copy(update={"data_dir": tmp_path / "data"})
+    return settings.model_copy(
+        update={"data_dir": tmp_path / "data", "trace_file": tmp_path / "spans.jsonl"}
+    )
 
 
 @pytest.fixture
@@ -211,6 +213,34 @@ async def test_a_surge_evicts_only_after_the_confirmed_checkpoint_and_the_job_re
     # The jobs above p2 were never touched.
     assert not cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=urgent)
     assert not cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=normal)
+
+    # One trace follows the job from its submit, across every service, to its eviction.
+    assert cluster.settings.trace_file is not None
+    p = cluster.subjects.prefix
+    journey = [
+        f"admission {p}.api.jobs.submit",
+        "agent apply workload.start",
+        "preemption apply allocation.granted",
+        "checkpoint apply eviction.requested",
+        "agent apply workload.evict",
+        "checkpoint apply workload.stopped",
+        "admission apply eviction.completed",
+    ]
+    await eventually(
+        lambda: _async(_one_trace_has(cluster.settings.trace_file, journey)), within=30
+    )
+
+
+def _one_trace_has(trace_file: Path, names: list[str]) -> bool:
+    """True when the trace of the (only) evict span holds a span of each name."""
+    if not trace_file.exists():
+        return False
+    spans = [json.loads(line) for line in trace_file.read_text().splitlines() if line.strip()]
+    evicts = [s["trace_id"] for s in spans if s["name"] == "agent apply workload.evict"]
+    if not evicts:
+        return False
+    in_trace = {s["name"] for s in spans if s["trace_id"] == evicts[0]}
+    return all(name in in_trace for name in names)
 
 
 async def _is(cluster: Cluster, job_id: str, state: str) -> bool:

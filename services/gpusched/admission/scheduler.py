@@ -133,12 +133,14 @@ class Scheduler:
             T.ALLOCATION_GRANTED,
             wire.allocation_granted(granted, job, attempt, ledger, host_share),
             correlation_id=job.job_id,
+            trace_headers=job.trace or None,
         )
         await uow.emit(
             s.command("agent", T.START_WORKLOAD),
             T.START_WORKLOAD,
             wire.start_workload(granted, job, attempt, ledger),
             correlation_id=job.job_id,
+            trace_headers=job.trace or None,
         )
         await uow.audit(
             "job.placed",

@@ -13,6 +13,7 @@ from sqlalchemy import text
 from gpusched.contracts.messages import CheckpointInfo, SubmitJob
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import Allocation, GpuSlot, JobKind, Ledger, PriorityClass
+from gpusched.infra import tracing
 from gpusched.infra.db import UnitOfWork
 
 from .queue import EvictionOutcome, JobState
@@ -29,6 +30,7 @@ class JobRecord:
     submitted_at: datetime
     warnings: tuple[str, ...]
     wait_audited: bool
+    trace: dict[str, str]
 
     @property
     def kind(self) -> JobKind:
@@ -207,6 +209,7 @@ def _job(row: Any) -> JobRecord:
         submitted_at=row.submitted_at,
         warnings=tuple(row.warnings),
         wait_audited=row.wait_audited,
+        trace=dict(row.trace or {}),
     )
 
 
@@ -225,9 +228,10 @@ async def insert_job(
     """Store a QUEUED job; False if the team already used its idempotency key."""
     result = await uow.execute(
         f"INSERT INTO {_t(uow, 'jobs')} (job_id, name, team, kind, priority_class, spec, state, "
-        "idempotency_key, submitted_at, updated_at, warnings) VALUES (:job_id, :name, :team, "
-        ":kind, :priority_class, CAST(:spec AS jsonb), :state, :key, :now, :now, "
-        "CAST(:warnings AS jsonb)) ON CONFLICT (team, idempotency_key) DO NOTHING "
+        "idempotency_key, submitted_at, updated_at, warnings, trace) VALUES (:job_id, :name, "
+        ":team, :kind, :priority_class, CAST(:spec AS jsonb), :state, :key, :now, :now, "
+        "CAST(:warnings AS jsonb), CAST(:trace AS jsonb)) "
+        "ON CONFLICT (team, idempotency_key) DO NOTHING "
         "RETURNING job_id",
         {
             "job_id": job_id,
@@ -240,6 +244,8 @@ async def insert_job(
             "key": spec.idempotency_key,
             "now": now,
             "warnings": json.dumps(list(warnings)),
+            # The submit request's span: the job's trace starts here.
+            "trace": json.dumps(tracing.inject()),
         },
     )
     return result.first() is not None

@@ -291,8 +291,9 @@ async def _carry_out(
     causation_id: str | None,
 ) -> None:
     saga = decision.saga
+    trace = await store.saga_trace(uow, saga.saga_id) if decision.effects else None
     for effect in decision.effects:
-        await _emit(uow, saga, effect, causation_id)
+        await _emit(uow, saga, effect, causation_id, trace)
     details = {
         "input": input_name,
         "effects": [type(effect).__name__ for effect in decision.effects],
@@ -331,7 +332,13 @@ def _outcome(saga: Saga) -> Outcome:
     return saga.outcome
 
 
-async def _emit(uow: UnitOfWork, saga: Saga, effect: SagaEffect, causation_id: str | None) -> None:
+async def _emit(
+    uow: UnitOfWork,
+    saga: Saga,
+    effect: SagaEffect,
+    causation_id: str | None,
+    trace: dict[str, str] | None,
+) -> None:
     s = uow.subjects
     ids = {"saga_id": saga.saga_id, "request_id": saga.request_id}
     subject: str
@@ -392,7 +399,12 @@ async def _emit(uow: UnitOfWork, saga: Saga, effect: SagaEffect, causation_id: s
                 reason=effect.reason.value,
             )
     await uow.emit(
-        subject, message_type, payload, correlation_id=saga.saga_id, causation_id=causation_id
+        subject,
+        message_type,
+        payload,
+        correlation_id=saga.saga_id,
+        causation_id=causation_id,
+        trace_headers=trace,
     )
 
 

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from gpusched.domain.saga import TERMINAL_STATES, CheckpointRef, Saga, SagaState, Stage
+from gpusched.infra import tracing
 from gpusched.infra.db import UnitOfWork
 
 _TERMINAL = sorted(state.value for state in TERMINAL_STATES)
@@ -37,12 +38,21 @@ async def insert_saga(uow: UnitOfWork, saga: Saga) -> bool:
     """False if the request is known already or the allocation has a live saga."""
     result = await uow.execute(
         f"INSERT INTO {uow.schema}.sagas (saga_id, request_id, allocation_id, job_id, state, "
-        "deadline, data, created_at, updated_at) VALUES (:saga_id, :request_id, "
+        "deadline, data, created_at, updated_at, trace) VALUES (:saga_id, :request_id, "
         ":allocation_id, :job_id, :state, :deadline, CAST(:data AS jsonb), :created_at, "
-        ":updated_at) ON CONFLICT DO NOTHING RETURNING saga_id",
-        _columns(saga),
+        ":updated_at, CAST(:trace AS jsonb)) ON CONFLICT DO NOTHING RETURNING saga_id",
+        {**_columns(saga), "trace": json.dumps(tracing.inject())},
     )
     return result.first() is not None
+
+
+async def saga_trace(uow: UnitOfWork, saga_id: str) -> dict[str, str] | None:
+    row = (
+        await uow.execute(
+            f"SELECT trace FROM {uow.schema}.sagas WHERE saga_id = :id", {"id": saga_id}
+        )
+    ).first()
+    return dict(row.trace) if row is not None and row.trace else None
 
 
 async def save_saga(uow: UnitOfWork, saga: Saga) -> None:

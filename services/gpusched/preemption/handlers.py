@@ -364,6 +364,9 @@ class Controller:
             ),
             correlation_id=decision_id,
             causation_id=cause.id,
+            # The eviction belongs to the job's trace (submit ... evict), not to the
+            # telemetry snapshot that happened to trigger it.
+            trace_headers=await store.allocation_trace(uow, victim.allocation_id),
         )
 
     async def _shortfall(

@@ -14,6 +14,7 @@ from gpusched.contracts.messages import AllocationGranted
 from gpusched.contracts.messages import GpuRef as WireGpuRef
 from gpusched.domain.elastic import PriorityClass, VictimCandidate
 from gpusched.domain.inventory import GpuRef, Pool
+from gpusched.infra import tracing
 from gpusched.infra.db import UnitOfWork
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,9 @@ async def record_shortfall(uow: UnitOfWork, at: datetime) -> None:
 async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
     await uow.execute(
         f"INSERT INTO {uow.schema}.allocations (allocation_id, job_id, team, kind, "
-        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at) VALUES "
-        "(:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, :started) "
+        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at, trace) VALUES "
+        "(:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, :started, "
+        "CAST(:trace AS jsonb)) "
         "ON CONFLICT (allocation_id) DO NOTHING",
         {
             "a": granted.allocation_id,
@@ -91,8 +93,20 @@ async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
             "gpus": len(granted.gpus),
             "ckpt": granted.checkpointable,
             "started": granted.granted_at,
+            # The consumer's span continues the grant's trace, which began at submit.
+            "trace": json.dumps(tracing.inject()),
         },
     )
+
+
+async def allocation_trace(uow: UnitOfWork, allocation_id: str) -> dict[str, str] | None:
+    row = (
+        await uow.execute(
+            f"SELECT trace FROM {uow.schema}.allocations WHERE allocation_id = :a",
+            {"a": allocation_id},
+        )
+    ).first()
+    return dict(row.trace) if row is not None and row.trace else None
 
 
 async def remove_allocation(uow: UnitOfWork, allocation_id: str) -> None:

@@ -64,6 +64,8 @@ def upgrade() -> None:
             warnings        jsonb NOT NULL DEFAULT '[]'::jsonb,
             -- Set once a scheduling pass found no room, so the wait is audited once.
             wait_audited    boolean NOT NULL DEFAULT false,
+            -- The submit's trace context: placements and evictions continue it.
+            trace           jsonb NOT NULL DEFAULT '{{}}'::jsonb,
             UNIQUE (team, idempotency_key)
         )
         """

@@ -24,7 +24,10 @@ def upgrade() -> None:
             deadline      timestamptz NOT NULL,
             data          jsonb NOT NULL,
             created_at    timestamptz NOT NULL,
-            updated_at    timestamptz NOT NULL
+            updated_at    timestamptz NOT NULL,
+            -- The trace the eviction request came in (the job's): every message the
+            -- saga sends continues it, whatever input triggered the step.
+            trace         jsonb NOT NULL DEFAULT '{{}}'::jsonb
         )
         """
     )

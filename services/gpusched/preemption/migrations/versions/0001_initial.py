@@ -25,7 +25,9 @@ def upgrade() -> None:
             gpus               integer NOT NULL,
             checkpointable     boolean NOT NULL,
             started_at         timestamptz NOT NULL,
-            last_checkpoint_at timestamptz
+            last_checkpoint_at timestamptz,
+            -- The job's trace context, so its eviction continues the job's trace.
+            trace              jsonb NOT NULL DEFAULT '{{}}'::jsonb
         )
         """
     )
