@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     bill.add_argument("--team")
     bill.set_defaults(run=_bill)
 
+    spec = sub.add_parser("asyncapi", help="print the AsyncAPI document of the public contracts")
+    spec.add_argument("--prefix", default="gpusched")
+    spec.set_defaults(run=_asyncapi)
+
     audit = sub.add_parser("audit", help="print the audit stream")
     audit.add_argument("--follow", action="store_true")
     audit.set_defaults(run=_audit)
@@ -176,6 +180,13 @@ def _bill(args: argparse.Namespace) -> int:
         return 0
 
     return _api_call(go)
+
+
+def _asyncapi(args: argparse.Namespace) -> int:
+    from gpusched.contracts.asyncapi import document
+
+    print(json.dumps(document(args.prefix), indent=2, sort_keys=True))
+    return 0
 
 
 def _audit(args: argparse.Namespace) -> int:
