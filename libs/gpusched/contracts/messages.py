@@ -144,6 +144,8 @@ class GpuRequest(Wire):
     model: str | None = None
     memory_gib: float | None = Field(default=None, gt=0)
     milli: int | None = Field(default=None, ge=1, le=1000)
+    # The fewest GPUs the job accepts after a long wait (DESIGN §7); None: exactly `count`.
+    min_count: int | None = Field(default=None, ge=1, le=1024)
 
 
 class WorkloadSpec(Wire):
@@ -229,6 +231,33 @@ class GetReply(Wire):
     error: ApiError | None = None
 
 
+class ApproveJob(Wire):
+    """An operator lets a job held above its team's max priority class into the queue."""
+
+    job_id: str
+    operator: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
+
+
+class ApproveReply(Wire):
+    ok: bool
+    error: ApiError | None = None
+
+
+class WhyJob(Wire):
+    job_id: str
+
+
+class WhyReply(Wire):
+    """Why a job is where it is, in words (`gpusched why <job>`)."""
+
+    ok: bool
+    job_id: str | None = None
+    state: str | None = None
+    reasons: list[str] = Field(default_factory=list)
+    error: ApiError | None = None
+
+
 # ======================================================================================
 # Internal: ingest -> everyone
 # ======================================================================================
@@ -271,6 +300,8 @@ class AllocationGranted(Wire):
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     cpu_cores: Decimal = Decimal(0)
     memory_gb: Decimal = Decimal(0)
+    # Granted beyond the team's guaranteed quota (borrowed idle GPUs): reclaimed first.
+    borrowed: bool = False
 
 
 class AllocationReleased(Wire):

@@ -78,6 +78,14 @@ class Subjects:
     def api_jobs_get(self) -> str:
         return f"{self.prefix}.api.jobs.get"
 
+    @property
+    def api_jobs_approve(self) -> str:
+        return f"{self.prefix}.api.jobs.approve"
+
+    @property
+    def api_jobs_why(self) -> str:
+        return f"{self.prefix}.api.jobs.why"
+
     # --- internal ---------------------------------------------------------------------
     def event(self, service: str, message_type: str) -> str:
         """A domain event a service announces, e.g. `<p>.evt.admission.allocation.granted`."""

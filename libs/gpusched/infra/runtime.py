@@ -56,6 +56,7 @@ class ServiceRuntime:
     _consumers: list[bus.ConsumerRunner] = field(default_factory=list, init=False)
     _endpoints: list[tuple[str, bus.RequestHandler]] = field(default_factory=list, init=False)
     _loops: list[_Loop] = field(default_factory=list, init=False)
+    _on_close: list[Tick] = field(default_factory=list, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _relay: OutboxRelay | None = field(default=None, init=False)
     _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -108,6 +109,11 @@ class ServiceRuntime:
         """Run `tick` periodically; a singleton loop runs only on the elected leader."""
         self._loops.append(_Loop(name, interval_s, tick, singleton))
 
+    def on_close(self, callback: Tick) -> None:
+        """Run `callback` when the service stops, after it stops taking messages and
+        before the connections close (e.g. the agent stopping its workloads)."""
+        self._on_close.append(callback)
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -156,6 +162,11 @@ class ServiceRuntime:
         self._stop.set()
         for runner in self._consumers:
             runner.stop()
+        for callback in self._on_close:
+            try:
+                await callback()
+            except Exception:
+                log.exception("%s: a shutdown step failed", self.name)
         if self._relay is not None:
             self._relay.stop()
         # Consumers finish the message in hand; the relay drains what is committed.

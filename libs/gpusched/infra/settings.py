@@ -36,6 +36,13 @@ class OutboxSettings(Section):
 class AdmissionSettings(Section):
     inventory_path: Path = Path("deploy/inventory/demo.yaml")
     schedule_interval_s: float = Field(default=1.0, gt=0)
+    # Teams, quotas and max priority classes (docs/admission-operator.md); None: no quotas.
+    quotas_path: Path | None = None
+    # A gang waiting this long holds the freeing GPUs of its best node (a reservation).
+    reserve_after_s: float = Field(default=300.0, ge=0)
+    # Waiting longer: offered fewer GPUs if it allows (min_count), else its reservation
+    # lapses so it cannot hold the cluster hostage (DESIGN §7).
+    starve_after_s: float = Field(default=1800.0, ge=0)
 
 
 class IngestSettings(Section):
@@ -50,6 +57,16 @@ class PreemptionSettings(Section):
     shrink_below: float = Field(default=0.40, ge=0, le=1)
     shared_below: float = Field(default=0.60, ge=0, le=1)
     cooldown_s: float = Field(default=300.0, ge=0)
+    # Windows a condition must hold for before it acts (docs/elastic-controller.md).
+    expand_hold_s: float = Field(default=30.0, ge=0)
+    shrink_hold_s: float = Field(default=600.0, ge=0)
+    slo_ms: dict[str, float] = Field(default_factory=dict, description="P99 SLO per service")
+    slo_fraction: float = Field(default=0.80, gt=0, le=1)
+    queue_above: int | None = Field(default=None, ge=0)
+    min_lend_s: float = Field(default=900.0, ge=0)
+    min_runtime_s: float = Field(default=1800.0, ge=0)
+    max_evictions_per_min: int | None = Field(default=10, ge=0)
+    decide_interval_s: float = Field(default=1.0, gt=0)
 
 
 class CheckpointSettings(Section):
@@ -65,6 +82,12 @@ class CheckpointSettings(Section):
     )
     deadline_policy: dict[str, str] = Field(
         default_factory=lambda: {"p0-urgent": "abort", "p1-normal": "abort", "p2-offline": "force"}
+    )
+    # Check file:// claims (exists, size, sha256) before evicting on them; turn off only
+    # where the service cannot see the jobs' storage (claims are then taken on trust).
+    verify_uris: bool = True
+    retention_per_job: int = Field(
+        default=5, ge=1, description="confirmed checkpoints kept per job in the catalogue"
     )
 
 

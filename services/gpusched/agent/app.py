@@ -48,6 +48,8 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
     await follow_admission(rt.js, s, agent.on_admission_event)
     rt.every("telemetry", rt.settings.agent.telemetry_interval_s, agent.publish_telemetry)
     rt.every("workloads", _SUPERVISE_INTERVAL_S, agent.supervise)
+    # Stop the workloads as soon as the service stops, not when its loops are cancelled.
+    rt.on_close(agent.close)
     return agent
 
 
