@@ -10,12 +10,15 @@ the audit stream.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -130,6 +133,19 @@ async def request_eviction(
     return await publish(rt, subject, T.EVICTION_REQUESTED, payload)
 
 
+# The service verifies file:// claims, so the job the test plays writes real files.
+CHECKPOINTS = Path(tempfile.gettempdir()) / "gpusched-test-checkpoints"
+
+
+def checkpoint_file(job_id: str, step: int) -> tuple[str, int, str]:
+    """Write a checkpoint file; its (uri, bytes, sha256)."""
+    path = CHECKPOINTS / job_id / f"ckpt-{step}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = f"{job_id} at step {step}".encode()
+    path.write_bytes(data)
+    return path.as_uri(), len(data), hashlib.sha256(data).hexdigest()
+
+
 async def confirm(
     rt: ServiceRuntime,
     v: Victim,
@@ -137,22 +153,25 @@ async def confirm(
     stage: StageName = StageName.PERSISTED,
     *,
     request_id: str | None = None,
+    job_id: str | None = None,
+    claim: dict[str, Any] | None = None,
 ) -> Envelope:
+    """The job confirms a checkpoint it really wrote; `claim` overrides what it says
+    about it (uri, bytes, sha256) to make a false claim."""
+    uri, size, sha256 = checkpoint_file(job_id or v.job_id, step)
     payload = CheckpointConfirmed(
         request_id=request_id,
         checkpoint_id=f"ckpt-{step}",
         step=step,
-        uri=f"file:///checkpoints/{v.job_id}/{step}",
-        bytes=1_000_000,
-        sha256="ab" * 32,
         stage=stage,
+        **{"uri": uri, "bytes": size, "sha256": sha256, **(claim or {})},
     )
     return await publish(
         rt,
-        rt.subjects.job_events(v.job_id),
+        rt.subjects.job_events(job_id or v.job_id),
         T.CHECKPOINT_CONFIRMED,
         payload,
-        correlation_id=v.job_id,
+        correlation_id=job_id or v.job_id,
     )
 
 
@@ -593,3 +612,178 @@ async def test_a_failed_evict_command_is_sent_again(service: ServiceRuntime) -> 
     assert first.data == second.data
     saga = await saga_of(rt, v.job_id)
     assert (saga["state"], saga["evict_attempts"]) == ("evicting", 2)
+
+
+# --- verification of what the job claims -------------------------------------------------
+
+
+async def test_a_checkpoint_claim_that_storage_contradicts_is_no_confirmation(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+
+    missing = {"uri": (CHECKPOINTS / v.job_id / "never-written.bin").as_uri()}
+    await confirm(rt, v, 10, request_id=v.request_id, claim=missing)
+    await confirm(rt, v, 11, request_id=v.request_id, claim={"bytes": 1})
+    await confirm(rt, v, 12, request_id=v.request_id, claim={"sha256": "0" * 64})
+
+    async def three_unverified() -> list[dict[str, Any]]:
+        trail = await audit_trail(rt, saga_id)
+        found = [r for r in trail if r["action"] == "checkpoint.unverified"]
+        return found if len(found) == 3 else []
+
+    records = await eventually(three_unverified, within=WITHIN)
+    reasons = " ".join(r["reason"] for r in records)
+    assert "does not exist" in reasons and "bytes" in reasons and "sha256" in reasons
+    assert all(r["details"]["verification"] == "false" for r in records)
+    assert await stored(rt, evict_commands(rt)) == []
+    assert (await saga_of(rt, v.job_id))["state"] == "checkpointing"
+    # A false claim is not in the catalogue either: nothing would resume from it.
+    latest = await ask(rt, latest_checkpoint_subject(rt.subjects), {"job_id": v.job_id})
+    assert latest["checkpoint"] is None
+
+    # The true claim that follows is a confirmation like any other.
+    await confirm(rt, v, 13, request_id=v.request_id)
+    [evict] = await wait_for(rt, evict_commands(rt))
+    assert evict.data["forced"] is False
+    assert (await saga_of(rt, v.job_id))["checkpoint"]["checkpoint_id"] == "ckpt-13"
+
+
+async def test_a_false_claim_leaves_the_deadline_to_decide_and_the_force_is_audited(
+    hasty: Settings,
+) -> None:
+    async with running(hasty) as rt:
+        v = victim()
+        await request_eviction(rt, v, PriorityClassName.P2_OFFLINE)
+        await checkpoint_requested(rt, v)
+        await confirm(rt, v, 10, request_id=v.request_id, claim={"sha256": "1" * 64})
+
+        [forced] = await wait_for(rt, outcome(rt, T.EVICTION_FORCED))
+        [evict] = await wait_for(rt, evict_commands(rt))
+        assert evict.data["forced"] is True
+        assert forced.data["checkpoint"] is None
+        await wait_for_audit(rt, forced.data["saga_id"], "checkpoint.unverified")
+        await wait_for_audit(rt, forced.data["saga_id"], "eviction.forced")
+
+
+# --- edge cases --------------------------------------------------------------------------
+
+
+async def test_a_confirmation_delivered_twice_sends_one_evict_command(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+    confirmation = await confirm(rt, v, 10, request_id=v.request_id)
+    await rt.js.publish(rt.subjects.job_events(v.job_id), confirmation.to_bytes())
+    # A second confirmation (new id, same claim) is a duplicate the saga refuses.
+    await confirm(rt, v, 10, request_id=v.request_id)
+
+    [evict] = await wait_for(rt, evict_commands(rt))
+    saga_id = evict.data["saga_id"]
+    ignored = await wait_for_audit(rt, saga_id, "saga.input_ignored")
+    assert ignored["details"]["input"] == "CheckpointConfirmed"
+    assert len(await stored(rt, evict_commands(rt))) == 1
+
+
+async def test_an_older_confirmation_arriving_after_the_eviction_started_changes_nothing(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+    await confirm(rt, v, 20, StageName.PERSISTED, request_id=v.request_id)
+    [evict] = await wait_for(rt, evict_commands(rt))
+
+    # Out of order: the snapshot of an earlier step overtaken by its persisted successor.
+    await confirm(rt, v, 15, StageName.SNAPSHOTTED, request_id=v.request_id)
+    await wait_for_audit(rt, evict.data["saga_id"], "saga.input_ignored")
+    saga = await saga_of(rt, v.job_id)
+    assert (saga["state"], saga["checkpoint"]["step"]) == ("evicting", 20)
+    assert len(await stored(rt, evict_commands(rt))) == 1
+
+
+async def test_a_confirmation_from_another_job_with_this_request_id_moves_nothing(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+    other = victim()
+
+    await confirm(rt, v, 30, request_id=v.request_id, job_id=other.job_id)
+
+    # Catalogued for the job that sent it, and only for that one.
+    latest = latest_checkpoint_subject(rt.subjects)
+
+    async def catalogued() -> bool:
+        reply = await ask(rt, latest, {"job_id": other.job_id})
+        return reply["checkpoint"] is not None
+
+    await eventually(catalogued, within=WITHIN)
+    assert (await ask(rt, latest, {"job_id": v.job_id}))["checkpoint"] is None
+    assert (await saga_of(rt, v.job_id))["state"] == "checkpointing"
+    assert await stored(rt, evict_commands(rt)) == []
+
+
+async def test_an_eviction_that_fails_three_times_is_aborted_and_the_job_keeps_training(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    saga_id = (await checkpoint_requested(rt, v)).correlation_id
+    assert saga_id is not None
+    await confirm(rt, v, 10, request_id=v.request_id)
+
+    for attempt in range(1, 4):
+        await wait_for(rt, evict_commands(rt), attempt)
+        failure = EvictFailed(
+            allocation_id=v.allocation_id,
+            job_id=v.job_id,
+            saga_id=saga_id,
+            error="no such workload on this cluster",  # what the agent says of a lost node
+        )
+        await publish(rt, rt.subjects.event("agent", T.EVICT_FAILED), T.EVICT_FAILED, failure)
+
+    [aborted] = await wait_for(rt, outcome(rt, T.EVICTION_ABORTED))
+    assert aborted.data["reason"] == "evict_failed"
+    assert len(await stored(rt, evict_commands(rt))) == 3
+    control = await wait_for(rt, rt.subjects.job_control(v.job_id), 2)
+    assert control[-1].type == T.PREEMPTION_CANCELLED
+    record = await wait_for_audit(rt, saga_id, "eviction.aborted")
+    assert "3 times" in record["reason"]
+
+
+# --- catalogue retention -----------------------------------------------------------------
+
+
+async def test_the_catalogue_keeps_the_newest_checkpoints_and_those_a_saga_references(
+    settings: Settings,
+) -> None:
+    keep_two = with_checkpoint(settings, grace_s=120.0, sweep_interval_s=0.1, retention_per_job=2)
+    async with running(keep_two) as rt:
+        v = victim()
+        await request_eviction(rt, v)
+        await checkpoint_requested(rt, v)
+        # The eviction waits for (and admission will resume from) step 1.
+        await confirm(rt, v, 1, request_id=v.request_id)
+        await wait_for(rt, evict_commands(rt))
+        for step in (2, 3, 4):
+            await confirm(rt, v, step)
+
+        async def kept() -> set[str]:
+            async with rt.uow() as uow:
+                result = await uow.execute(
+                    "SELECT DISTINCT checkpoint_id FROM checkpoint.checkpoints WHERE job_id = :j",
+                    {"j": v.job_id},
+                )
+                ids = {row.checkpoint_id for row in result}
+            return ids if "ckpt-4" in ids and "ckpt-2" not in ids else set()
+
+        assert await eventually(kept, within=WITHIN) == {"ckpt-1", "ckpt-3", "ckpt-4"}
+        retired = await wait_for_audit(rt, v.job_id, "checkpoint.retired")
+        assert [r["checkpoint_id"] for r in retired["details"]["retired"]] == ["ckpt-2"]

@@ -297,3 +297,49 @@ async def _events_until(control: ControlPlane, job_id: str, last_type: str) -> l
 
 async def _pending(job: AsyncJobClient) -> CheckpointRequest | None:
     return job.checkpoint_requested
+
+
+# --- the PyTorch helpers (pure: no bus) -----------------------------------------------------
+
+
+def test_a_torch_checkpoint_restores_model_optimizer_and_rng_so_training_continues_exactly(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch", reason="the PyTorch helpers need torch (extra `torch`)")
+    import random
+
+    from gpusched.sdk.torch import TorchCheckpointer
+
+    def build() -> tuple[object, object]:
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def run(model: object, optimizer: object, steps: int) -> None:
+        for _ in range(steps):
+            noise = random.random()  # Python's RNG is part of the state too
+            loss = (model(torch.randn(16, 4)) ** 2).mean() + noise  # type: ignore[operator]
+            optimizer.zero_grad()  # type: ignore[attr-defined]
+            loss.backward()
+            optimizer.step()  # type: ignore[attr-defined]
+
+    random.seed(3)
+    straight, straight_opt = build()
+    run(straight, straight_opt, 30)
+
+    random.seed(3)
+    first, first_opt = build()
+    run(first, first_opt, 12)
+    saved = TorchCheckpointer(first, first_opt, tmp_path).save(12)  # type: ignore[arg-type]
+    assert saved.step == 12 and saved.uri.startswith("file://") and saved.bytes > 0
+
+    random.seed(99)  # a new process: other seeds, a fresh model
+    torch.manual_seed(99)
+    resumed, resumed_opt = build()
+    step = TorchCheckpointer(resumed, resumed_opt).restore(saved.uri)  # type: ignore[arg-type]
+    run(resumed, resumed_opt, 30 - step)
+
+    expected = straight.state_dict()  # type: ignore[attr-defined]
+    got = resumed.state_dict()  # type: ignore[attr-defined]
+    assert step == 12
+    assert all(torch.equal(expected[k], got[k]) for k in expected)

@@ -6,6 +6,7 @@ from gpusched.checkpoint.api import get_saga_subject, latest_checkpoint_subject
 from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies
 from gpusched.checkpoint.queries import Queries
+from gpusched.checkpoint.storage import FileStorage, TrustingStorage
 from gpusched.contracts.messages import T
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
@@ -19,7 +20,12 @@ SWEEP_BATCHES_PER_TICK = 10
 
 
 async def build(rt: ServiceRuntime) -> None:
-    handlers = SagaHandlers(EvictionPolicies.from_settings(rt.settings.checkpoint))
+    settings = rt.settings.checkpoint
+    handlers = SagaHandlers(
+        EvictionPolicies.from_settings(settings),
+        storage=FileStorage() if settings.verify_uris else TrustingStorage(),
+        retention_per_job=settings.retention_per_job,
+    )
     s = rt.subjects
     rt.consume(
         bus.Consumer(

@@ -23,6 +23,8 @@ from typing import Any, Final
 from gpusched.checkpoint import store
 from gpusched.checkpoint.api import checkpoint_info
 from gpusched.checkpoint.policy import EvictionPolicies
+from gpusched.checkpoint.storage import CheckpointStorage, FileStorage
+from gpusched.checkpoint.verification import Verdict, judge
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
@@ -69,6 +71,8 @@ class AuditAction(StrEnum):
     CHECKPOINT_REQUESTED = "checkpoint.requested"
     CHECKPOINT_CONFIRMED = "checkpoint.confirmed"
     CHECKPOINT_RECORDED = "checkpoint.recorded"
+    CHECKPOINT_UNVERIFIED = "checkpoint.unverified"
+    CHECKPOINT_RETIRED = "checkpoint.retired"
     EVICT = "evict"
     WORKLOAD_EVICTED = "workload.evicted"
     EVICTION_COMPLETED = "eviction.completed"
@@ -104,9 +108,18 @@ def saga_id_for(request_id: str) -> str:
 
 
 class SagaHandlers:
-    def __init__(self, policies: EvictionPolicies, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(
+        self,
+        policies: EvictionPolicies,
+        clock: Callable[[], datetime] = utcnow,
+        *,
+        storage: CheckpointStorage | None = None,
+        retention_per_job: int = 5,
+    ) -> None:
         self._policies = policies
         self._now = clock
+        self._storage: CheckpointStorage = FileStorage() if storage is None else storage
+        self._retention = retention_per_job
 
     # --- commands from preemption ---------------------------------------------------------
 
@@ -204,11 +217,36 @@ class SagaHandlers:
             sha256=confirmed.sha256,
             stage=Stage(confirmed.stage.value),
         )
+        # Read storage before locking any saga row: hashing can take a while.
+        verdict = judge(ref, await self._storage.inspect(ref.uri, ref.bytes))
         now = self._now()
-        await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now)
+        sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
+        if not verdict.counts:
+            # Not catalogued (a resume must not load it) and not applied: the saga keeps
+            # waiting, and its deadline decides if no true confirmation follows.
+            await _unverified(uow, job_id, confirmed.request_id, ref, verdict, sagas, envelope.id)
+            return
+        if await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now):
+            await self._retire_old_checkpoints(uow, job_id, envelope.id)
         event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
-        for saga in await store.lock_live_by_job(uow, job_id, confirmed.request_id):
+        for saga in sagas:
             await self._apply(uow, saga, event, envelope.id, now)
+
+    async def _retire_old_checkpoints(
+        self, uow: UnitOfWork, job_id: str, causation_id: str
+    ) -> None:
+        retired = await store.retire_checkpoints(uow, job_id, self._retention)
+        if retired:
+            await uow.audit(
+                AuditAction.CHECKPOINT_RETIRED,
+                entity=job_id,
+                reason=(
+                    f"catalogue keeps the newest {self._retention} checkpoints of job {job_id} "
+                    "and any a saga references"
+                ),
+                details={"job_id": job_id, "retired": retired},
+                causation_id=causation_id,
+            )
 
     async def on_checkpoint_failed(self, envelope: Envelope, uow: UnitOfWork) -> None:
         failed = envelope.payload(wire.CheckpointFailed)
@@ -406,6 +444,35 @@ async def _emit(
         causation_id=causation_id,
         trace_headers=trace,
     )
+
+
+async def _unverified(
+    uow: UnitOfWork,
+    job_id: str,
+    request_id: str | None,
+    claim: CheckpointRef,
+    verdict: Verdict,
+    sagas: list[Saga],
+    causation_id: str,
+) -> None:
+    # One record per saga the claim was meant for, so each saga's audit trail says why
+    # it kept waiting; a periodic claim with no saga to affect is recorded on the job.
+    concerned = [s for s in sagas if request_id is None or s.request_id == request_id]
+    details = {
+        "job_id": job_id,
+        "request_id": request_id,
+        "claim": claim.to_dict(),
+        "verification": verdict.check.value,
+    }
+    targets: list[tuple[str, Saga | None]] = [(s.saga_id, s) for s in concerned]
+    for entity, saga in targets or [(job_id, None)]:
+        await uow.audit(
+            AuditAction.CHECKPOINT_UNVERIFIED,
+            entity=entity,
+            reason=f"checkpoint {claim.checkpoint_id} not confirmed: {verdict.why}",
+            details={**details, **({} if saga is None else _describe(saga))},
+            causation_id=causation_id,
+        )
 
 
 async def _ignored(

@@ -216,3 +216,33 @@ async def latest_checkpoint(
         stage=Stage(row.stage),
     )
     return CatalogueEntry(ref, row.confirmed_at)
+
+
+async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[dict[str, object]]:
+    """Drop the job's catalogue entries beyond the newest `keep` checkpoints, except any
+    that a saga of the job references (the checkpoint an eviction waited for is what
+    admission resumes the job from). Returns what was dropped."""
+    result = await uow.execute(
+        f"""
+        WITH newest AS (
+            SELECT checkpoint_id FROM {uow.schema}.checkpoints WHERE job_id = :j
+            GROUP BY checkpoint_id ORDER BY max(step) DESC, max(confirmed_at) DESC
+            LIMIT :keep
+        ), referenced AS (
+            SELECT data -> 'checkpoint' ->> 'checkpoint_id' AS checkpoint_id
+            FROM {uow.schema}.sagas WHERE job_id = :j
+            UNION
+            SELECT data -> 'last_confirmed' ->> 'checkpoint_id'
+            FROM {uow.schema}.sagas WHERE job_id = :j
+        )
+        DELETE FROM {uow.schema}.checkpoints c WHERE c.job_id = :j
+          AND c.checkpoint_id NOT IN (SELECT checkpoint_id FROM newest)
+          AND NOT EXISTS (SELECT 1 FROM referenced r WHERE r.checkpoint_id = c.checkpoint_id)
+        RETURNING c.checkpoint_id, c.stage, c.step, c.uri
+        """,
+        {"j": job_id, "keep": keep},
+    )
+    return [
+        {"checkpoint_id": r.checkpoint_id, "stage": r.stage, "step": r.step, "uri": r.uri}
+        for r in result
+    ]

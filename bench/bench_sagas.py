@@ -1,0 +1,251 @@
+"""The eviction saga's control-plane overhead, against the raw NATS round trip.
+
+The checkpoint service runs as its own process (as `gpusched up` runs it) on a fresh
+database and prefix. This bench plays preemption, 1,000 jobs that confirm instantly
+(with a real file, so the service's sha256 verification is part of the figure) and a
+cluster agent that stops a workload the moment it is told to. Up to 200 sagas are in
+flight at once. Per saga:
+
+- request-to-evict: from publishing eviction.requested to receiving the evict command,
+  minus the job's own time (checkpoint.requested received -> checkpoint.confirmed
+  published), i.e. what the control plane spends in both of its hops;
+- stopped-to-completed: from publishing workload.stopped to receiving eviction.completed.
+
+Baseline: the raw NATS request/reply round trip (a responder in this process), 1,000
+requests one after the other, in the same run. Goal: p99 < 50 ms for both figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from pydantic import BaseModel
+
+from bench.harness import Context, Figure, percentile
+from gpusched.checkpoint.handlers import saga_id_for
+from gpusched.cli.stack import Stack
+from gpusched.contracts.envelope import Envelope, make_envelope
+from gpusched.contracts.messages import (
+    CheckpointConfirmed,
+    EvictionRequested,
+    PriorityClassName,
+    StageName,
+    StopReason,
+    T,
+    WorkloadStopped,
+)
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra.settings import Settings
+
+NAME = "sagas"
+SAGAS = int(os.environ.get("BENCH_SAGAS", "1000"))
+CONCURRENCY = int(os.environ.get("BENCH_SAGAS_CONCURRENCY", "200"))
+ROUND_TRIPS = 1000
+UNLOADED = 50
+P99_GOAL_MS = 50.0
+
+
+class Sim:
+    """The jobs and the agent, answering at once; every time is time.perf_counter()."""
+
+    def __init__(self, nc: NatsClient, s: Subjects, checkpoint: Path) -> None:
+        self.nc, self.js, self.s = nc, nc.jetstream(), s
+        data = checkpoint.read_bytes()
+        self.uri, self.size = checkpoint.as_uri(), len(data)
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.requested: dict[str, float] = {}  # request id -> eviction.requested published
+        self.asked: dict[str, float] = {}  # request id -> checkpoint.requested received
+        self.confirmed: dict[str, float] = {}  # request id -> checkpoint.confirmed published
+        self.evicted: dict[str, float] = {}  # saga id -> evict command received
+        self.stopped: dict[str, float] = {}  # saga id -> workload.stopped published
+        self.completed: dict[str, float] = {}  # saga id -> eviction.completed received
+        self.done: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def publish(
+        self, subject: str, kind: str, data: BaseModel, correlation_id: str | None = None
+    ) -> None:
+        env = make_envelope(kind, data, source="bench", correlation_id=correlation_id)
+        await self.js.publish(subject, env.to_bytes(), headers={"Nats-Msg-Id": env.id})
+
+    def _spawn(self, coro: object) -> None:
+        # Callbacks of one subscription run one after another: answering in a task keeps
+        # a slow publish from queueing the next message (and inflating its timestamp).
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def on_control(self, msg: Msg) -> None:
+        now = time.perf_counter()
+        env = Envelope.from_bytes(msg.data)
+        if env.type == T.CHECKPOINT_REQUESTED:
+            self.asked[env.data["request_id"]] = now
+            self._spawn(self._confirm(env.data["request_id"], env.data["job_id"]))
+
+    async def _confirm(self, request_id: str, job_id: str) -> None:
+        payload = CheckpointConfirmed(
+            request_id=request_id,
+            checkpoint_id=f"{job_id}-1",
+            step=1,
+            uri=self.uri,
+            bytes=self.size,
+            sha256=self.sha256,
+            stage=StageName.PERSISTED,
+        )
+        self.confirmed[request_id] = time.perf_counter()
+        await self.publish(self.s.job_events(job_id), T.CHECKPOINT_CONFIRMED, payload, job_id)
+
+    async def on_evict(self, msg: Msg) -> None:
+        now = time.perf_counter()
+        env = Envelope.from_bytes(msg.data)
+        self.evicted.setdefault(env.data["saga_id"], now)
+        self._spawn(self._stop(env.data))
+
+    async def _stop(self, data: dict[str, object]) -> None:
+        saga_id = str(data["saga_id"])
+        payload = WorkloadStopped(
+            allocation_id=str(data["allocation_id"]),
+            job_id=str(data["job_id"]),
+            reason=StopReason.EVICTED,
+            stopped_at=datetime.now(UTC),
+            saga_id=saga_id,
+        )
+        self.stopped.setdefault(saga_id, time.perf_counter())
+        await self.publish(self.s.event("agent", T.WORKLOAD_STOPPED), T.WORKLOAD_STOPPED, payload)
+
+    async def on_completed(self, msg: Msg) -> None:
+        now = time.perf_counter()
+        env = Envelope.from_bytes(msg.data)
+        saga_id = env.data["saga_id"]
+        self.completed.setdefault(saga_id, now)
+        if (event := self.done.get(saga_id)) is not None:
+            event.set()
+
+    async def saga(self, index: int, slots: asyncio.Semaphore) -> None:
+        async with slots:
+            tag = f"{index:05d}-{uuid.uuid4().hex[:6]}"
+            request_id = f"req-{tag}"
+            self.done[saga_id_for(request_id)] = done = asyncio.Event()
+            payload = EvictionRequested(
+                request_id=request_id,
+                decision_id=f"decision-{tag}",
+                allocation_id=f"alloc-{tag}",
+                job_id=f"job-{tag}",
+                team="bench",
+                priority_class=PriorityClassName.P1_NORMAL,
+                gpus=8,
+                started_at=datetime.now(UTC) - timedelta(hours=1),
+                reason="bench surge",
+            )
+            self.requested[request_id] = time.perf_counter()
+            subject = self.s.command("checkpoint", T.EVICTION_REQUESTED)
+            await self.publish(subject, T.EVICTION_REQUESTED, payload)
+            await asyncio.wait_for(done.wait(), 60)
+
+
+async def round_trips(nc: NatsClient, n: int) -> list[float]:
+    subject = f"bench.rtt.{uuid.uuid4().hex[:8]}"
+
+    async def echo(msg: Msg) -> None:
+        await msg.respond(msg.data)
+
+    sub = await nc.subscribe(subject, cb=echo)
+    body = b"x" * 300  # about the size of a small envelope
+    out: list[float] = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await nc.request(subject, body, timeout=5)
+            out.append((time.perf_counter() - t0) * 1000)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def run(ctx: Context) -> list[Figure]:
+    settings = Settings(
+        nats_url=ctx.nats_url,
+        database_url=await ctx.create_database("bench_sagas"),
+        subject_prefix=f"bench{uuid.uuid4().hex[:8]}",
+        data_dir=ctx.scratch / "sagas",
+    )
+    stack = Stack(
+        settings,
+        services=("checkpoint",),
+        env={"GPUSCHED_LOG_LEVEL": "WARNING", "GPUSCHED_CHECKPOINT__GRACE_S": "600"},
+        log_dir=ctx.scratch / "sagas-logs",
+    )
+    ctx.progress(f"{NAME}: starting the checkpoint service")
+    await asyncio.to_thread(stack.start)
+    nc = await nats.connect(ctx.nats_url, name="bench-sagas")
+    try:
+        s = Subjects(settings.subject_prefix)
+        checkpoint = ctx.scratch / "sagas-checkpoint.bin"
+        checkpoint.write_bytes(os.urandom(1 << 16))
+        sim = Sim(nc, s, checkpoint)
+        await nc.subscribe(f"{s.prefix}.jobs.*.control", cb=sim.on_control)
+        await nc.subscribe(s.command("agent", T.EVICT_WORKLOAD), cb=sim.on_evict)
+        await nc.subscribe(s.event("checkpoint", T.EVICTION_COMPLETED), cb=sim.on_completed)
+        await nc.flush()
+
+        ctx.progress(f"{NAME}: warming up (20 sagas)")
+        warm = asyncio.Semaphore(CONCURRENCY)
+        await asyncio.gather(*(sim.saga(-1 - i, warm) for i in range(20)))
+        warmed = set(sim.requested)
+        ctx.progress(f"{NAME}: {UNLOADED} sagas one at a time (the overhead without queueing)")
+        one = asyncio.Semaphore(1)
+        await asyncio.gather(*(sim.saga(-100 - i, one) for i in range(UNLOADED)))
+        unloaded = set(sim.requested) - warmed
+        warmed = set(sim.requested)
+
+        ctx.progress(f"{NAME}: {SAGAS} sagas, up to {CONCURRENCY} at once")
+        slots = asyncio.Semaphore(CONCURRENCY)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(sim.saga(i, slots) for i in range(SAGAS)))
+        elapsed = time.perf_counter() - t0
+
+        ctx.progress(f"{NAME}: {ROUND_TRIPS} raw NATS request/reply round trips")
+        rtt = await round_trips(nc, ROUND_TRIPS)
+    finally:
+        await nc.close()
+        await asyncio.to_thread(stack.stop)
+
+    to_evict, to_complete = overheads(sim, set(sim.requested) - warmed)
+    alone_evict, alone_complete = overheads(sim, unloaded)
+    rtt_p50, rtt_p99 = percentile(rtt, 50), percentile(rtt, 99)
+    return [
+        Figure(NAME, "unloaded_request_to_evict_p50", percentile(alone_evict, 50), "ms", rtt_p50),
+        Figure(NAME, "unloaded_request_to_evict_p99", percentile(alone_evict, 99), "ms", rtt_p99),
+        Figure(
+            NAME, "unloaded_stopped_to_completed_p50", percentile(alone_complete, 50), "ms", rtt_p50
+        ),
+        Figure(
+            NAME, "unloaded_stopped_to_completed_p99", percentile(alone_complete, 99), "ms", rtt_p99
+        ),
+        Figure(NAME, "sagas_per_s", len(to_evict) / elapsed, "sagas/s"),
+        Figure(NAME, "request_to_evict_p50", percentile(to_evict, 50), "ms", baseline=rtt_p50),
+        Figure(NAME, "request_to_evict_p99", percentile(to_evict, 99), "ms", baseline=rtt_p99),
+        Figure(NAME, "stopped_to_completed_p50", percentile(to_complete, 50), "ms", rtt_p50),
+        Figure(NAME, "stopped_to_completed_p99", percentile(to_complete, 99), "ms", rtt_p99),
+    ]
+
+
+def overheads(sim: Sim, request_ids: set[str]) -> tuple[list[float], list[float]]:
+    """(request-to-evict, stopped-to-completed) in ms for these sagas."""
+    to_evict: list[float] = []
+    to_complete: list[float] = []
+    for request_id in request_ids:
+        saga_id = saga_id_for(request_id)
+        job_time = sim.confirmed[request_id] - sim.asked[request_id]
+        to_evict.append((sim.evicted[saga_id] - sim.requested[request_id] - job_time) * 1000)
+        to_complete.append((sim.completed[saga_id] - sim.stopped[saga_id]) * 1000)
+    return to_evict, to_complete
