@@ -34,6 +34,12 @@ FAST = {
     "GPUSCHED_AGENT__TELEMETRY_INTERVAL_S": "0.25",
     "GPUSCHED_ADMISSION__SCHEDULE_INTERVAL_S": "0.25",
     "GPUSCHED_PREEMPTION__COOLDOWN_S": "1",
+    # Act on the first hot/cold reading and on jobs seconds old (the windows, the
+    # minimum lend and the minimum runtime have their own tests).
+    "GPUSCHED_PREEMPTION__EXPAND_HOLD_S": "0",
+    "GPUSCHED_PREEMPTION__SHRINK_HOLD_S": "0",
+    "GPUSCHED_PREEMPTION__MIN_LEND_S": "0",
+    "GPUSCHED_PREEMPTION__MIN_RUNTIME_S": "0",
     # The e2e jobs keep the shared pool at 95%: lift the shared-pool gate so the lent
     # GPUs can go back (the gate itself is covered in tests/unit/test_preemption_policy.py).
     "GPUSCHED_PREEMPTION__SHARED_BELOW": "1.0",
@@ -205,11 +211,17 @@ async def test_a_surge_evicts_only_after_the_confirmed_checkpoint_and_the_job_re
     reply = await cluster.api.get(offline)
     assert reply.job and reply.job.resume_from
     assert reply.job.resume_from.checkpoint_id == completed["checkpoint"]["checkpoint_id"]
-    started = [
-        d for _, _, t, d, corr in cluster.bus.messages
-        if t == T.JOB_STARTED and corr == offline and d.get("resumed_from")
-    ]  # fmt: skip
-    assert started and started[-1]["resumed_from"] == completed["checkpoint"]["checkpoint_id"]
+    # The new attempt announces itself once its workload is up.
+    started = await eventually(
+        lambda: _async(
+            [
+                d for _, _, t, d, corr in cluster.bus.messages
+                if t == T.JOB_STARTED and corr == offline and d.get("resumed_from")
+            ]
+        ),
+        within=30,
+    )  # fmt: skip
+    assert started[-1]["resumed_from"] == completed["checkpoint"]["checkpoint_id"]
     # The jobs above p2 were never touched.
     assert not cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=urgent)
     assert not cluster.bus.of(T.CHECKPOINT_REQUESTED, job_id=normal)

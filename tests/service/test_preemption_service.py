@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -28,6 +29,7 @@ from gpusched.contracts.messages import (
     PriorityClassName,
     ReserveForInference,
     ReturnToShared,
+    ServiceState,
     StageName,
     T,
 )
@@ -39,16 +41,35 @@ from gpusched.preemption import app
 P0, P1, P2 = PriorityClassName.P0_URGENT, PriorityClassName.P1_NORMAL, PriorityClassName.P2_OFFLINE
 
 
-@pytest.fixture
-async def preemption(settings: Settings) -> AsyncIterator[ServiceRuntime]:
-    no_cooldown = settings.model_copy(update={"preemption": PreemptionSettings(cooldown_s=0)})
-    runtime = ServiceRuntime(app.NAME, app.SCHEMA, no_cooldown, migrations_dir(app.__file__))
+# Windows, cooldown and min lend off so one snapshot decides; the min runtime keeps its
+# default (the test grants are an hour old).
+FAST = PreemptionSettings(
+    cooldown_s=0, expand_hold_s=0, shrink_hold_s=0, min_lend_s=0, decide_interval_s=0.1
+)
+
+
+async def running(settings: Settings, knobs: PreemptionSettings) -> AsyncIterator[ServiceRuntime]:
+    tuned = settings.model_copy(update={"preemption": knobs})
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, tuned, migrations_dir(app.__file__))
     await runtime.start()
     await app.build(runtime)
     task = asyncio.create_task(runtime.run())
     yield runtime
     runtime.request_stop()
     await asyncio.wait_for(task, 15)
+
+
+@pytest.fixture
+async def preemption(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    async for runtime in running(settings, FAST):
+        yield runtime
+
+
+@pytest.fixture
+async def slow_windows(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    knobs = FAST.model_copy(update={"expand_hold_s": 3600.0, "slo_ms": {"chat": 100.0}})
+    async for runtime in running(settings, knobs):
+        yield runtime
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -69,7 +90,12 @@ def refs(node: str, count: int) -> list[GpuRef]:
 
 
 async def grant(
-    rt: ServiceRuntime, allocation_id: str, priority: PriorityClassName, gpus: int = 2
+    rt: ServiceRuntime,
+    allocation_id: str,
+    priority: PriorityClassName,
+    gpus: int = 2,
+    *,
+    borrowed: bool = False,
 ) -> None:
     granted = AllocationGranted(
         allocation_id=allocation_id,
@@ -82,6 +108,7 @@ async def grant(
         granted_at=utcnow() - timedelta(hours=1),
         attempt=1,
         checkpointable=True,
+        borrowed=borrowed,
     )
     await event(rt, "admission", T.ALLOCATION_GRANTED, granted)
 
@@ -176,9 +203,18 @@ async def test_a_hot_inference_pool_evicts_p2_first_and_waits_while_the_decision
     details = expand["details"]
     assert details["inference"] == {"gpus": 4, "util": 0.95, "reporting_gpus": 4}
     assert details["thresholds"]["expand_above"] == 0.8
-    reasons = {c["allocation_id"]: c["reason"] for c in details["candidates"]}
-    assert reasons["a-p2"].startswith("chosen")
-    assert "never preempted" in reasons["a-p0"]
+    candidates = details["candidates"]
+    ranked = {c["allocation_id"]: c["reason"] for c in candidates["ranked"]}
+    assert ranked["a-p2"].startswith("chosen")
+    # a-p1 ranks after the need was met; a-p0 may never be chosen.
+    assert candidates["not_needed"]["allocation_ids"] == ["a-p1"]
+    ineligible = {c["allocation_id"]: c["reason"] for c in candidates["ineligible"]}
+    assert "never preempted" in ineligible["a-p0"]
+    assert candidates["ineligible_by_reason"] == {
+        "skipped: p0-urgent is never preempted for inference": 1
+    }
+    assert details["windows"]["expand_hold_s"] == 0
+    assert details["replica"].endswith(f":{os.getpid()}")
 
     # Still hot, but one decision is in flight: nothing new.
     second = await send_snapshot(preemption, snapshot(0.97, 0.9, shared_gpus=6))
@@ -309,19 +345,84 @@ async def test_the_victim_within_a_class_is_the_one_with_least_work_since_its_ch
     assert request.allocation_id == "a-fresh"
 
 
+async def test_borrowed_capacity_is_reclaimed_before_guaranteed_capacity_of_its_class(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-guaranteed", P2)
+    await grant(preemption, "a-borrowed", P2, borrowed=True)
+    await allocations_known(preemption, 2)
+    # The guaranteed job just checkpointed: it would lose less work, but it is in quota.
+    confirmed = CheckpointConfirmed(
+        request_id=None, checkpoint_id="c1", step=100, uri="s3://ckpt/c1", bytes=1,
+        sha256="0" * 64, stage=StageName.PERSISTED,
+    )  # fmt: skip
+    envelope = make_envelope(
+        T.CHECKPOINT_CONFIRMED, confirmed, source="sdk", correlation_id="job-a-guaranteed"
+    )
+    await publish(preemption, preemption.subjects.job_events("job-a-guaranteed"), envelope)
+    await wait_for(
+        preemption,
+        "SELECT count(*) FROM {s}.allocations WHERE last_checkpoint_at IS NOT NULL",
+        1,
+    )
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    [request] = await evictions(preemption, 1)
+    assert request.allocation_id == "a-borrowed"
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    [chosen] = expand["details"]["candidates"]["ranked"]
+    assert "(borrowed)" in chosen["reason"]
+
+
 async def test_the_same_snapshot_delivered_twice_makes_one_decision(
     preemption: ServiceRuntime,
 ) -> None:
-    # All shared GPUs idle: each decision completes at once, so only the inbox can
-    # keep the copy from deciding again (the cooldown is 0).
+    # All shared GPUs idle: each decision completes at once, so only the inbox and the
+    # windows (a pool change restarts them) keep the copy from deciding again.
     hot = make_envelope(T.POOL_SNAPSHOT, snapshot(0.95, 0.1), source="ingest")
     subject = preemption.subjects.event("ingest", T.POOL_SNAPSHOT)
     await publish(preemption, subject, hot)
     await publish(preemption, subject, hot)
+    [first] = await commands(preemption, "admission", T.RESERVE_FOR_INFERENCE, 1)
     marker = await send_snapshot(preemption, snapshot(0.95, 0.1))
 
     envelopes = await commands(preemption, "admission", T.RESERVE_FOR_INFERENCE, 2)
     assert [e.causation_id for e in envelopes] == [hot.id, marker.id]
+    assert first.id == envelopes[0].id
+
+
+async def test_the_windows_live_in_the_database_and_a_lapse_restarts_them(
+    slow_windows: ServiceRuntime,
+) -> None:
+    rt = slow_windows
+    await grant(rt, "a-p2", P2)
+    await allocations_known(rt, 1)
+    hot = snapshot(0.95, 0.9, shared_gpus=4)
+    first = await send_snapshot(rt, hot)
+    await applied(rt, first)
+    since = await scalar(rt, "SELECT expand_since FROM {s}.controller")
+    assert since == hot.time
+
+    # Still hot on the next reading: the window keeps its start.
+    again = await send_snapshot(rt, snapshot(0.9, 0.9, shared_gpus=4))
+    await applied(rt, again)
+    assert await scalar(rt, "SELECT expand_since FROM {s}.controller") == hot.time
+
+    # A P99 above 80% of its SLO is a reason to expand on its own.
+    slow = snapshot(0.5, 0.9, shared_gpus=4).model_copy(
+        update={"services": [ServiceState(service="chat", p99_ms=90.0, queue_depth=0, requests=9)]}
+    )
+    slow_env = await send_snapshot(rt, slow)
+    await applied(rt, slow_env)
+    assert await scalar(rt, "SELECT expand_since FROM {s}.controller") == hot.time
+
+    # One reading inside the band ends the window; nothing was decided meanwhile.
+    calm = await send_snapshot(rt, snapshot(0.6, 0.9, shared_gpus=4))
+    await applied(rt, calm)
+    assert await scalar(rt, "SELECT expand_since FROM {s}.controller") is None
+    assert await scalar(rt, "SELECT count(*) FROM {s}.decisions") == 0
+    assert await scalar(rt, "SELECT count(*) FROM {s}.outbox") == 0
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -322,3 +323,50 @@ def test_a_candidate_built_from_an_allocation_keeps_its_gang_and_pool() -> None:
 
     assert (victim.gpus, victim.gpu_refs, victim.pool) == (2, allocation.gpus, Pool.SHARED)
     assert victim.lost_work_gpu_seconds(NOW) == 2 * 3600
+
+
+def test_borrowed_capacity_goes_before_guaranteed_within_a_class_but_never_across() -> None:
+    guaranteed = candidate("guaranteed", PriorityClass.P2_OFFLINE, checkpoint_minutes_ago=1)
+    borrowed = replace(
+        candidate("borrowed", PriorityClass.P2_OFFLINE, checkpoint_minutes_ago=60), borrowed=True
+    )
+    normal_borrowed = replace(candidate("normal", PriorityClass.P1_NORMAL), borrowed=True)
+
+    choice = choose_victims([guaranteed, normal_borrowed, borrowed], need=6, now=NOW)
+
+    assert choice.allocation_ids == ("borrowed", "guaranteed", "normal")
+    assert "(borrowed)" in dict(choice.reasons)["borrowed"]
+
+
+def test_on_equal_lost_work_the_victim_that_frees_a_whole_node_goes_first() -> None:
+    # "shared" sits on a node with another allocation; "alone" has its node to itself.
+    shared = replace(candidate("shared", gpus=2), gpu_refs=(GpuRef("n1", 0), GpuRef("n1", 1)))
+    neighbour = replace(
+        candidate("neighbour", PriorityClass.P0_URGENT, gpus=1), gpu_refs=(GpuRef("n1", 2),)
+    )
+    alone = replace(candidate("alone", gpus=2), gpu_refs=(GpuRef("n2", 0), GpuRef("n2", 1)))
+
+    choice = choose_victims([shared, neighbour, alone], need=2, now=NOW)
+
+    assert choice.allocation_ids == ("alone",)
+    assert "frees whole nodes" in dict(choice.reasons)["alone"]
+
+
+def test_a_run_inside_its_min_runtime_is_never_chosen() -> None:
+    young = candidate("young", PriorityClass.P2_OFFLINE, started_minutes_ago=29)
+    old = candidate("old", PriorityClass.P1_NORMAL, started_minutes_ago=31)
+
+    choice = choose_victims([young, old], need=4, now=NOW, min_runtime_s=1800)
+
+    assert choice.allocation_ids == ("old",)
+    assert choice.shortfall == 2
+    assert dict(choice.reasons)["young"] == ("skipped: inside its min runtime (ran 1740s of 1800s)")
+
+
+def test_the_rate_limit_defers_what_eligible_victims_could_free() -> None:
+    candidates = [candidate(f"j{i}", gpus=2) for i in range(3)]
+
+    choice = choose_victims(candidates, need=8, now=NOW, max_victims=1)
+
+    assert (len(choice.victims), choice.freed, choice.deferred, choice.shortfall) == (1, 2, 4, 2)
+    assert sum("rate limit" in reason for _, reason in choice.reasons) == 2

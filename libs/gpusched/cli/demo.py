@@ -49,6 +49,12 @@ DEMO_ENV = {
     "GPUSCHED_AGENT__TELEMETRY_INTERVAL_S": "0.25",
     "GPUSCHED_ADMISSION__SCHEDULE_INTERVAL_S": "0.25",
     "GPUSCHED_PREEMPTION__COOLDOWN_S": "4",
+    # Short windows (defaults: 30 s to expand, 10 min to shrink, lend at least 15 min)
+    # and no minimum runtime (default 30 min), so the story fits in a minute.
+    "GPUSCHED_PREEMPTION__EXPAND_HOLD_S": "1",
+    "GPUSCHED_PREEMPTION__SHRINK_HOLD_S": "2",
+    "GPUSCHED_PREEMPTION__MIN_LEND_S": "3",
+    "GPUSCHED_PREEMPTION__MIN_RUNTIME_S": "0",
     # The demo's training keeps the shared pool at 95%; with the default gate (shared
     # below 0.60) the lent GPUs would go back only once training quietens down.
     "GPUSCHED_PREEMPTION__SHARED_BELOW": "1.0",

@@ -2,13 +2,14 @@
 which training allocations to evict for them, and when to give them back.
 
 Pure functions over values; the preemption service feeds them pool state and acts on
-the decisions. Hysteresis windows, cooldowns and minimum runtime are not here yet:
-``PoolSignals`` is the seam where held-for-long-enough signals will arrive, and
-``choose_victims`` takes the within-tier order as a parameter.
+the decisions. Whether a signal held long enough, cooldowns and rate limits are the
+controller's (services/gpusched/preemption/policy.py); this module sizes a change and
+picks its victims.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -159,18 +160,29 @@ class ShrinkDecision:
 
 
 def decide_expand(
-    signals: PoolSignals, thresholds: ElasticThresholds | None = None
+    signals: PoolSignals,
+    thresholds: ElasticThresholds | None = None,
+    *,
+    triggered_by: str | None = None,
 ) -> ExpandDecision | None:
+    """Size an expansion. ``triggered_by`` names another cause (a service's P99 near its
+    SLO, a queue) that expands even with utilization under ``expand_above``: then the
+    formula still sizes it, and it lends at least one GPU."""
     limits = thresholds or ElasticThresholds()
     util = signals.inference_util
-    if util <= limits.expand_above:
+    if util <= limits.expand_above and triggered_by is None:
         return None
     wanted = _uncapped_need(util, signals.inference_gpus, limits.target)
     gpus = expand_need(util, signals.inference_gpus, signals.shared_available, limits.target)
+    cause = (
+        triggered_by
+        if triggered_by is not None
+        else f"inference utilization {util:.2f} > {limits.expand_above:.2f}"
+    )
     reason = (
-        f"inference utilization {util:.2f} > {limits.expand_above:.2f} on "
-        f"{signals.inference_gpus} GPUs: {wanted} more bring it to {limits.target:.2f}; "
-        f"lending {gpus} of {signals.shared_available} available shared GPUs"
+        f"{cause} on {signals.inference_gpus} GPUs at utilization {util:.2f}: {wanted} more "
+        f"bring it to {limits.target:.2f}; lending {gpus} of {signals.shared_available} "
+        "available shared GPUs"
     )
     if gpus < wanted:
         reason += f", short by {wanted - gpus}"
@@ -215,6 +227,12 @@ class VictimCandidate:
     checkpointable: bool
     # Serving pool of the allocation; only SHARED ones can be evicted for inference.
     pool: Pool = field(kw_only=True)
+    # Over the team's guaranteed quota: reclaimed before guaranteed capacity (DESIGN §7).
+    borrowed: bool = field(default=False, kw_only=True)
+    # Epoch seconds of started_at and of lost_work_since(): a victim choice ranks
+    # thousands of candidates, and float arithmetic is what keeps it within budget.
+    started_ts: float = field(init=False, repr=False, compare=False)
+    lost_since_ts: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus != len(self.gpu_refs):
@@ -222,6 +240,8 @@ class VictimCandidate:
                 f"allocation {self.allocation_id}: gpus={self.gpus} but "
                 f"{len(self.gpu_refs)} GPU refs"
             )
+        object.__setattr__(self, "started_ts", self.started_at.timestamp())
+        object.__setattr__(self, "lost_since_ts", self.lost_work_since().timestamp())
 
     @classmethod
     def from_allocation(
@@ -254,7 +274,10 @@ class VictimCandidate:
         return max(self.last_checkpoint_at, self.started_at)
 
     def lost_work_gpu_seconds(self, now: datetime) -> float:
-        return self.gpus * max(0.0, (now - self.lost_work_since()).total_seconds())
+        return self.lost_work_at(now.timestamp())
+
+    def lost_work_at(self, now_ts: float) -> float:
+        return self.gpus * max(0.0, now_ts - self.lost_since_ts)
 
 
 class VictimReason(NamedTuple):
@@ -266,22 +289,45 @@ class VictimReason(NamedTuple):
 class VictimChoice:
     victims: tuple[VictimCandidate, ...]
     freed: int
+    # GPUs no eligible candidate could free: the shortfall alert's count.
     shortfall: int
-    # One entry per candidate: eligible ones in ranking order, then the ineligible.
-    reasons: tuple[VictimReason, ...]
+    # Eligible candidates ranked until the need was met: chosen or put off by the limit.
+    ranked: tuple[VictimReason, ...]
+    # Eligible candidates ranked after the need was met, in ranking order. Ids only: on a
+    # large cluster they are thousands, and they all share one reason (``not_needed``).
+    not_needed_ids: tuple[str, ...]
+    # The ineligible in allocation id order, and why (parallel, for the same reason).
+    ineligible_ids: tuple[str, ...]
+    ineligible_reasons: tuple[str, ...]
+    need: int
+    # GPUs eligible victims could free but the eviction rate limit put off.
+    deferred: int = 0
 
     @property
     def allocation_ids(self) -> tuple[str, ...]:
         return tuple(victim.allocation_id for victim in self.victims)
 
+    @property
+    def not_needed(self) -> str:
+        return f"skipped: need of {self.need} GPUs already met by higher-ranked victims"
+
+    @property
+    def reasons(self) -> tuple[VictimReason, ...]:
+        """One entry per candidate: eligible ones in ranking order, then the ineligible."""
+        met = self.not_needed
+        return (
+            *self.ranked,
+            *(VictimReason(allocation_id, met) for allocation_id in self.not_needed_ids),
+            *map(VictimReason, self.ineligible_ids, self.ineligible_reasons),
+        )
+
 
 VictimOrder = Callable[[VictimCandidate, datetime], tuple[float | str, ...]]
-"""Sort key within one priority tier; a fragmentation-aware order can replace it."""
+"""Sort key within one priority tier (after borrowed before guaranteed)."""
 
 
 def least_lost_work_first(candidate: VictimCandidate, now: datetime) -> tuple[float | str, ...]:
-    # Larger first on ties frees the need with fewer evictions; the id makes it total.
-    return (candidate.lost_work_gpu_seconds(now), -candidate.gpus, candidate.allocation_id)
+    return (candidate.lost_work_gpu_seconds(now),)
 
 
 def choose_victims(
@@ -289,69 +335,152 @@ def choose_victims(
     need: int,
     now: datetime,
     *,
+    min_runtime_s: float = 0.0,
+    max_victims: int | None = None,
     within_tier: VictimOrder = least_lost_work_first,
 ) -> VictimChoice:
     """Pick shared-pool training allocations to evict until ``need`` GPUs are freed.
 
-    p2-offline before p1-normal; p0-urgent and inference are never chosen. Stops as
-    soon as ``freed >= need``; ``shortfall`` is what is still missing.
+    Never p0-urgent, inference or a run younger than ``min_runtime_s``. Order: p2-offline
+    before p1-normal; within a tier borrowed before guaranteed, then ``within_tier``
+    (least lost work), then one that frees whole nodes, then the larger (fewer
+    evictions). A candidate is one allocation, and an allocation holds a whole gang, so
+    a gang is evicted whole or not at all. Stops as soon as ``freed >= need``, so it
+    frees at most one victim's worth more than ``need``. At most ``max_victims`` are
+    chosen (the eviction rate limit): what eligible victims could still free is
+    ``deferred``; what none can free is ``shortfall``.
     """
     if now.tzinfo is None or now.utcoffset() is None:
         raise ValueError(f"now must be timezone-aware, got {now.isoformat()}")
     _check_count("need", need)
-    pool = list(candidates)
-    ids = [candidate.allocation_id for candidate in pool]
-    if len(set(ids)) != len(ids):
-        raise ValueError("candidates list an allocation twice")
+    if max_victims is not None:
+        _check_count("max_victims", max_victims)
+    # Allocation id order first: the ineligible are listed in it, and it is the last
+    # tie-break of the ranking (the sorts below are stable).
+    pool = sorted(candidates, key=_allocation_id)
+    for before, after in itertools.pairwise(pool):
+        if before.allocation_id == after.allocation_id:
+            raise ValueError("candidates list an allocation twice")
+    # Nodes where one allocation holds every allocated GPU: evicting it frees the node.
+    # (Plain loops, few containers: a victim choice on thousands of candidates must not
+    # leave garbage-collector work behind; see bench/bench_preemption.py.)
+    holders: dict[str, int] = {}
+    for candidate in pool:
+        seen = ""
+        for ref in candidate.gpu_refs:
+            if ref.node != seen:
+                seen = ref.node
+                holders[seen] = holders.get(seen, 0) + 1
+    # A node an allocation revisits after another node counts it twice: harmless, it
+    # only makes that allocation look like it does not free the node.
 
     eligible: list[VictimCandidate] = []
-    skipped: list[VictimReason] = []
-    for candidate in sorted(pool, key=lambda candidate: candidate.allocation_id):
-        reason = _ineligibility(candidate)
+    ineligible_ids: list[str] = []
+    ineligible_reasons: list[str] = []
+    now_ts = now.timestamp()
+    for candidate in pool:
+        reason = _ineligibility(candidate, now_ts, min_runtime_s)
         if reason is None:
             eligible.append(candidate)
         else:
-            skipped.append(VictimReason(candidate.allocation_id, reason))
-    eligible.sort(key=lambda c: (c.priority_class.preemption_rank, *within_tier(c, now)))
+            ineligible_ids.append(candidate.allocation_id)
+            ineligible_reasons.append(reason)
+    whole: set[str] = set()
+    for candidate in eligible:
+        if _holds_its_nodes_alone(candidate, holders):
+            whole.add(candidate.allocation_id)
+    # The ranking, least significant key first (stable sorts on scalar keys allocate no
+    # key tuples): larger first, then whole nodes first, then within_tier, then
+    # borrowed before guaranteed, then the priority tier.
+    eligible.sort(key=lambda c: (c.allocation_id not in whole) * _MANY_GPUS - c.gpus)
+    if within_tier is least_lost_work_first:
+        eligible.sort(key=lambda c: c.lost_work_at(now_ts))
+    else:
+        eligible.sort(key=lambda c: within_tier(c, now))
+    eligible.sort(key=lambda c: c.priority_class.preemption_rank * 2 + (not c.borrowed))
 
     victims: list[VictimCandidate] = []
     ranked: list[VictimReason] = []
     freed = 0
-    for candidate in eligible:
-        if freed >= need:
+    # What the ranking would free without the rate limit: the shortfall is measured
+    # against it, so a limit never raises a shortfall alert by itself.
+    could_free = 0
+    not_needed: tuple[str, ...] = ()
+    for rank, candidate in enumerate(eligible):
+        if could_free >= need:
+            not_needed = tuple(c.allocation_id for c in eligible[rank:])
+            break
+        could_free += candidate.gpus
+        if max_victims is not None and len(victims) >= max_victims:
             ranked.append(
                 VictimReason(
                     candidate.allocation_id,
-                    f"skipped: need of {need} GPUs already met by higher-ranked victims",
+                    f"skipped: eviction rate limit reached ({max_victims} more this minute)",
                 )
             )
             continue
         victims.append(candidate)
         freed += candidate.gpus
-        lost = candidate.lost_work_gpu_seconds(now)
-        since = (
-            "last checkpoint"
-            if candidate.lost_work_since() != candidate.started_at
-            else "start of run"
-        )
         ranked.append(
             VictimReason(
                 candidate.allocation_id,
-                f"chosen: {candidate.priority_class}, {lost:.0f} GPU-seconds since "
-                f"{since} at risk, frees {candidate.gpus} GPUs ({freed} of {need})",
+                _chosen(candidate, now, freed, need, candidate.allocation_id in whole),
             )
         )
     return VictimChoice(
         victims=tuple(victims),
         freed=freed,
-        shortfall=max(0, need - freed),
-        reasons=(*ranked, *skipped),
+        shortfall=max(0, need - could_free),
+        ranked=tuple(ranked),
+        not_needed_ids=not_needed,
+        ineligible_ids=tuple(ineligible_ids),
+        ineligible_reasons=tuple(ineligible_reasons),
+        need=need,
+        deferred=max(0, min(need, could_free) - freed),
     )
 
 
-def _ineligibility(candidate: VictimCandidate) -> str | None:
-    if not candidate.priority_class.preemptible:
+def _chosen(
+    candidate: VictimCandidate, now: datetime, freed: int, need: int, whole_nodes: bool
+) -> str:
+    lost = candidate.lost_work_gpu_seconds(now)
+    since = (
+        "last checkpoint"
+        if candidate.lost_work_since() != candidate.started_at
+        else ("start of run")
+    )
+    quota = "borrowed" if candidate.borrowed else "guaranteed"
+    nodes = ", frees whole nodes" if whole_nodes else ""
+    return (
+        f"chosen: {candidate.priority_class} ({quota}), {lost:.0f} GPU-seconds since {since} "
+        f"at risk{nodes}, frees {candidate.gpus} GPUs ({freed} of {need})"
+    )
+
+
+_MANY_GPUS = 1 << 20  # more GPUs than any allocation holds: packs two sort keys in one
+
+
+def _allocation_id(candidate: VictimCandidate) -> str:
+    return candidate.allocation_id
+
+
+def _holds_its_nodes_alone(candidate: VictimCandidate, holders: dict[str, int]) -> bool:
+    # A loop, not all(<generator>): one generator object per candidate is GC work.
+    for ref in candidate.gpu_refs:  # noqa: SIM110
+        if holders[ref.node] != 1:
+            return False
+    return True
+
+
+_PREEMPTIBLE = frozenset(c for c in PriorityClass if c.preemptible)
+
+
+def _ineligibility(candidate: VictimCandidate, now_ts: float, min_runtime_s: float) -> str | None:
+    if candidate.priority_class not in _PREEMPTIBLE:
         return f"skipped: {candidate.priority_class} is never preempted for inference"
     if candidate.pool is not Pool.SHARED:
         return f"skipped: runs in the {candidate.pool} pool, not the shared pool"
+    ran = now_ts - candidate.started_ts
+    if ran < min_runtime_s:
+        return f"skipped: inside its min runtime (ran {ran:.0f}s of {min_runtime_s:.0f}s)"
     return None

@@ -11,6 +11,7 @@ from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
 from gpusched.preemption import handlers
 from gpusched.preemption.policy import ControllerLimits
+from gpusched.preemption.signals import SignalLimits
 
 NAME = handlers.NAME
 SCHEMA = "preemption"
@@ -28,6 +29,16 @@ def limits(settings: Settings) -> ControllerLimits:
         ),
         cooldown_s=p.cooldown_s,
         max_reading_age_s=settings.ingest.stale_after_s,
+        signals=SignalLimits(
+            expand_hold_s=p.expand_hold_s,
+            shrink_hold_s=p.shrink_hold_s,
+            slo_ms=dict(p.slo_ms),
+            slo_fraction=p.slo_fraction,
+            queue_above=p.queue_above,
+        ),
+        min_lend_s=p.min_lend_s,
+        min_runtime_s=p.min_runtime_s,
+        max_evictions_per_min=p.max_evictions_per_min,
     )
 
 
@@ -47,6 +58,14 @@ async def build(rt: ServiceRuntime) -> None:
                 T.GPUS_RETURNED: handlers.on_gpus_returned,
             },
         )
+    )
+    # Only the elected leader decides; a standby takes over within one interval of
+    # the leader's database session closing (its lease is a session advisory lock).
+    rt.every(
+        "decide",
+        rt.settings.preemption.decide_interval_s,
+        lambda: controller.tick(rt.uow),
+        singleton=True,
     )
     rt.consume(
         bus.Consumer(

@@ -1,18 +1,27 @@
 """Preemption's service layer: ledger projections in, the controller's decisions out.
 
-The controller decides inside the unit of work of the message that prompted it (a
-pool snapshot, an eviction outcome): its state change, its commands and its audit
-records commit together, and the controller row lock keeps replicas from deciding
-at the same time.
+Pool snapshots only move the signal windows (any replica may apply them). The pool
+decisions are taken by one loop that runs on the elected leader only
+(``ServiceRuntime.every(..., singleton=True)``): it reads the newest reading and the
+windows from the database, decides, and commits the state change, its commands and
+its audit records in one unit of work. Eviction outcomes (a replacement victim for an
+aborted eviction) are handled by whichever replica receives them. Every decision first
+takes the controller row lock, so even two replicas that both believe they lead (a
+lease lost mid-tick) decide one after the other, each seeing the other's effect.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
+
+from prometheus_client import Gauge
 
 from gpusched.contracts.envelope import Envelope, new_id, utcnow
 from gpusched.contracts.messages import (
@@ -35,14 +44,19 @@ from gpusched.contracts.messages import (
 )
 from gpusched.domain.elastic import VictimCandidate, VictimChoice
 from gpusched.domain.inventory import Pool
-from gpusched.infra.db import UnitOfWork
+from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
-from gpusched.preemption import policy, store
+from gpusched.preemption import policy, signals, store
 from gpusched.preemption.store import DecisionKind, DecisionStatus, EvictionStatus
 
 log = logging.getLogger(__name__)
 
 NAME = "preemption"
+
+SHORTFALL_GPUS = Gauge(
+    "gpusched_preemption_shortfall_gpus",
+    "GPUs inference needed that no allowed victim could free, at the last expansion",
+)
 
 
 # --- projections of admission's ledger ---------------------------------------------------
@@ -84,42 +98,83 @@ _SETTLED: Mapping[str, tuple[type[_Settled], EvictionStatus]] = {
 
 class Controller:
     def __init__(
-        self, limits: policy.ControllerLimits, clock: Callable[[], datetime] = utcnow
+        self,
+        limits: policy.ControllerLimits,
+        clock: Callable[[], datetime] = utcnow,
+        replica: str | None = None,
     ) -> None:
         self._limits = limits
         self._clock = clock
+        # Named in every decision's audit record: which replica decided.
+        self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
 
     async def on_pool_snapshot(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """Fold the reading into the windows; the leader's loop decides on them."""
         snapshot = envelope.payload(PoolSnapshot)
         reading = _reading(snapshot)
+        timers = await store.lock_controller(uow)
+        held = signals.fold(
+            timers.held,
+            reading,
+            self._limits.thresholds,
+            self._limits.signals,
+            timers.last_change_at,
+        )
+        if held == timers.held:
+            log.debug("snapshot %s is older than the newest reading", envelope.id)
+            return
+        await store.record_reading(uow, envelope.id, snapshot, held)
+
+    async def tick(self, uow_factory: UnitOfWorkFactory) -> None:
+        """One decision round on the leader, in its own unit of work."""
+        async with uow_factory() as uow:
+            await self.decide(uow)
+            await uow.commit()
+
+    async def decide(self, uow: UnitOfWork) -> policy.Outcome | None:
         now = self._clock()
         timers = await store.lock_controller(uow)
+        if timers.reading is None or timers.reading_id is None:
+            return None
+        reading = _reading(timers.reading)
         in_flight = await store.decision_in_flight(uow)
+        # Loading every live allocation each second is wasted unless an expansion is due.
+        wants_candidates = not in_flight and policy.expand_due(
+            reading, timers.held, self._limits, now
+        )
         view = policy.ControllerView(
             in_flight=in_flight,
             last_change_at=timers.last_change_at,
             last_shortfall_at=timers.last_shortfall_at,
-            lent_gpus=sum(n for _, n in await store.reservations_newest_first(uow)),
+            reservations=await store.reservations(uow),
             shared_allocated_gpus=await store.shared_allocated_gpus(uow),
-            candidates=() if in_flight else await store.candidates(uow),
+            candidates=await store.candidates(uow) if wants_candidates else (),
             withdrawable=await store.withdrawable_evictions(uow) if in_flight else (),
+            recent_evictions=await self._recent_evictions(uow, now),
         )
-        outcome = policy.decide(reading, view, self._limits, now)
-        inputs = self._inputs(envelope, reading, view)
+        outcome = policy.decide(reading, timers.held, view, self._limits, now)
+        # The snapshot that completed the window is the decision's cause.
+        cause = timers.reading_id
+        inputs = self._inputs(cause, reading, timers.held, view, now)
         match outcome:
             case policy.Hold(reason=reason):
-                log.debug("no pool change on snapshot %s: %s", envelope.id, reason)
+                log.debug("no pool change on reading %s: %s", cause, reason)
             case policy.Expand():
-                await self._expand(uow, envelope, outcome, inputs, now)
+                await self._expand(uow, cause, outcome, inputs, now)
             case policy.Shrink():
-                await self._shrink(uow, envelope, outcome, inputs, now)
+                await self._shrink(uow, cause, outcome, inputs, now)
             case policy.Withdraw():
-                await self._withdraw(uow, envelope, outcome, inputs, now)
+                await self._withdraw(uow, cause, outcome, inputs, now)
+        return outcome
+
+    async def _recent_evictions(self, uow: UnitOfWork, now: datetime) -> int:
+        since = now - timedelta(seconds=policy.EVICTION_RATE_WINDOW_S)
+        return await store.recent_evictions(uow, since)
 
     async def _withdraw(
         self,
         uow: UnitOfWork,
-        cause: Envelope,
+        cause: str,
         outcome: policy.Withdraw,
         inputs: dict[str, Any],
         now: datetime,
@@ -130,7 +185,7 @@ class Controller:
                 T.EVICTION_WITHDRAWN,
                 EvictionWithdrawn(request_id=request_id, reason=outcome.reason),
                 correlation_id=request_id,
-                causation_id=cause.id,
+                causation_id=cause,
             )
         await store.mark_withdrawn(uow, outcome.request_ids, now)
         await uow.audit(
@@ -138,13 +193,13 @@ class Controller:
             ",".join(outcome.request_ids),
             outcome.reason,
             {**inputs, "request_ids": list(outcome.request_ids)},
-            causation_id=cause.id,
+            causation_id=cause,
         )
 
     async def _expand(
         self,
         uow: UnitOfWork,
-        cause: Envelope,
+        cause: str,
         outcome: policy.Expand,
         inputs: dict[str, Any],
         now: datetime,
@@ -156,9 +211,11 @@ class Controller:
             "gpus": outcome.gpus,
             "free_gpus": outcome.free_gpus,
             "victims": list(choice.allocation_ids),
-            "candidates": _reasons(choice),
+            "candidates": candidates_record(choice),
             "shortfall": outcome.shortfall,
+            "deferred_by_rate_limit": choice.deferred,
         }
+        SHORTFALL_GPUS.set(outcome.shortfall)
         if outcome.changes_pools:
             reservation_id = new_id()
             await store.add_decision(
@@ -181,7 +238,7 @@ class Controller:
                 decision_id,
                 outcome.reason,
                 {**details, "reservation_id": reservation_id},
-                causation_id=cause.id,
+                causation_id=cause,
             )
         if outcome.shortfall:
             await self._shortfall(
@@ -192,13 +249,13 @@ class Controller:
     async def _shrink(
         self,
         uow: UnitOfWork,
-        cause: Envelope,
+        cause: str,
         outcome: policy.Shrink,
         inputs: dict[str, Any],
         now: datetime,
     ) -> None:
         decision_id = new_id()
-        parts = policy.split_return(outcome.gpus, await store.reservations_newest_first(uow))
+        parts = outcome.returns
         details = {**inputs, "gpus": outcome.gpus, "returns": [list(p) for p in parts]}
         await store.add_decision(
             uow,
@@ -217,12 +274,10 @@ class Controller:
                 T.RETURN_TO_SHARED,
                 ReturnToShared(reservation_id=reservation_id, decision_id=decision_id, gpus=gpus),
                 correlation_id=decision_id,
-                causation_id=cause.id,
+                causation_id=cause,
             )
         await store.record_change(uow, now)
-        await uow.audit(
-            "preempt.shrink", decision_id, outcome.reason, details, causation_id=cause.id
-        )
+        await uow.audit("preempt.shrink", decision_id, outcome.reason, details, causation_id=cause)
 
     # --- eviction outcomes --------------------------------------------------------------
     async def on_eviction_settled(self, envelope: Envelope, uow: UnitOfWork) -> None:
@@ -249,32 +304,40 @@ class Controller:
             await store.candidates(uow),
             row.gpus,
             now,
-            exclude=await store.tried_allocations(uow, row.decision_id),
+            await store.tried_allocations(uow, row.decision_id),
+            self._limits,
+            await self._recent_evictions(uow, now),
         )
         reason = (
             f"eviction {row.request_id} of allocation {row.allocation_id} aborted "
             f"({aborted.reason}): {row.gpus} GPUs to find elsewhere"
         )
         details = {
+            "replica": self.replica,
             "replaces": row.request_id,
             "aborted_allocation_id": row.allocation_id,
             "gpus": row.gpus,
+            "min_runtime_s": self._limits.min_runtime_s,
             "victims": list(choice.allocation_ids),
-            "candidates": _reasons(choice),
+            "candidates": candidates_record(choice),
             "shortfall": choice.shortfall,
+            "deferred_by_rate_limit": choice.deferred,
         }
         if choice.victims:
             # The same reservation: admission adds the new victims' GPUs to it.
             reservation_id = row.reservation_id or new_id()
             await self._reserve(
-                uow, row.decision_id, reservation_id, choice, 0, envelope, now, row.request_id
+                uow, row.decision_id, reservation_id, choice, 0, envelope.id, now, row.request_id
             )
             await store.add_victims(uow, row.decision_id, choice.allocation_ids)
             await uow.audit(
                 "preempt.expand", row.decision_id, reason, details, causation_id=envelope.id
             )
         if choice.shortfall:
-            await self._shortfall(uow, row.decision_id, choice.shortfall, reason, details, envelope)
+            SHORTFALL_GPUS.set(choice.shortfall)
+            await self._shortfall(
+                uow, row.decision_id, choice.shortfall, reason, details, envelope.id
+            )
             await store.record_shortfall(uow, now)
         await self._settle(uow, row.decision_id, now)
 
@@ -304,7 +367,7 @@ class Controller:
         reservation_id: str,
         choice: VictimChoice,
         free_gpus: int,
-        cause: Envelope,
+        cause: str,
         now: datetime,
         replaces: str | None = None,
     ) -> None:
@@ -320,7 +383,7 @@ class Controller:
                 free_gpus=free_gpus,
             ),
             correlation_id=decision_id,
-            causation_id=cause.id,
+            causation_id=cause,
         )
         reasons = dict(choice.reasons)
         for victim in choice.victims:
@@ -334,7 +397,7 @@ class Controller:
         decision_id: str,
         victim: VictimCandidate,
         reason: str,
-        cause: Envelope,
+        cause: str,
         now: datetime,
         replaces: str | None,
     ) -> None:
@@ -363,7 +426,7 @@ class Controller:
                 reason=reason,
             ),
             correlation_id=decision_id,
-            causation_id=cause.id,
+            causation_id=cause,
             # The eviction belongs to the job's trace (submit ... evict), not to the
             # telemetry snapshot that happened to trigger it.
             trace_headers=await store.allocation_trace(uow, victim.allocation_id),
@@ -376,32 +439,63 @@ class Controller:
         missing: int,
         reason: str,
         details: dict[str, Any],
-        cause: Envelope,
+        cause: str,
     ) -> None:
         await uow.audit(
             "preempt.shortfall",
             decision_id,
             f"{missing} GPUs short for inference: {reason}",
             {**details, "missing_gpus": missing},
-            causation_id=cause.id,
+            causation_id=cause,
         )
 
     def _inputs(
-        self, envelope: Envelope, reading: policy.PoolReading, view: policy.ControllerView
+        self,
+        cause: str,
+        reading: policy.PoolReading,
+        held: signals.HeldSignals,
+        view: policy.ControllerView,
+        now: datetime,
     ) -> dict[str, Any]:
         limits = self._limits
+        sig = limits.signals
         return {
-            "snapshot_id": envelope.id,
+            "replica": self.replica,
+            "snapshot_id": cause,
             "snapshot_time": reading.time.isoformat(),
             "inference": asdict(reading.inference),
             "shared": asdict(reading.shared),
+            "services": [asdict(s) for s in reading.services],
+            "windows": {
+                "expand_since": _iso(held.expand_since),
+                "expand_held_s": signals.held_for(held.expand_since, now),
+                "expand_hold_s": sig.expand_hold_s,
+                "shrink_since": _iso(held.shrink_since),
+                "shrink_held_s": signals.held_for(held.shrink_since, now),
+                "shrink_hold_s": sig.shrink_hold_s,
+            },
             "lent_gpus": view.lent_gpus,
+            "reservations": [
+                {"reservation_id": r.reservation_id, "gpus": r.gpus, "lent_at": _iso(r.lent_at)}
+                for r in view.reservations
+            ],
             "shared_allocated_gpus": view.shared_allocated_gpus,
+            "recent_evictions": view.recent_evictions,
             "thresholds": {
                 **asdict(limits.thresholds),
                 "cooldown_s": limits.cooldown_s,
+                "slo_ms": dict(sig.slo_ms),
+                "slo_fraction": sig.slo_fraction,
+                "queue_above": sig.queue_above,
+                "min_lend_s": limits.min_lend_s,
+                "min_runtime_s": limits.min_runtime_s,
+                "max_evictions_per_min": limits.max_evictions_per_min,
             },
         }
+
+
+def _iso(at: datetime | None) -> str | None:
+    return None if at is None else at.isoformat()
 
 
 def _reading(snapshot: PoolSnapshot) -> policy.PoolReading:
@@ -414,8 +508,34 @@ def _reading(snapshot: PoolSnapshot) -> policy.PoolReading:
         state = by_pool[name]
         return policy.PoolFigures(state.gpus, state.util, state.reporting_gpus)
 
-    return policy.PoolReading(snapshot.time, figures(Pool.INFERENCE), figures(Pool.SHARED))
+    services = tuple(
+        policy.ServiceReading(s.service, s.p99_ms, s.queue_depth) for s in snapshot.services
+    )
+    return policy.PoolReading(
+        snapshot.time, figures(Pool.INFERENCE), figures(Pool.SHARED), services
+    )
 
 
-def _reasons(choice: VictimChoice) -> list[dict[str, str]]:
-    return [{"allocation_id": a, "reason": r} for a, r in choice.reasons]
+# An audit record is one bus message (and a row's JSON): on a cluster with thousands of
+# allocations, list the ineligible one by one only up to this many, and count them all.
+AUDIT_INELIGIBLE_LISTED = 200
+
+
+def candidates_record(choice: VictimChoice) -> dict[str, Any]:
+    """Why each candidate was or was not chosen: the ranked ones one by one, the ones
+    ranked after the need was met under their one reason, the ineligible by reason."""
+    by_reason: dict[str, int] = {}
+    for reason in choice.ineligible_reasons:
+        kind = reason.split(" (", 1)[0]  # without the figures: "inside its min runtime"
+        by_reason[kind] = by_reason.get(kind, 0) + 1
+    listed = zip(choice.ineligible_ids, choice.ineligible_reasons, strict=True)
+    return {
+        "ranked": [{"allocation_id": a, "reason": r} for a, r in choice.ranked],
+        "not_needed": {"reason": choice.not_needed, "allocation_ids": list(choice.not_needed_ids)},
+        "ineligible": [
+            {"allocation_id": a, "reason": r}
+            for a, r in itertools.islice(listed, AUDIT_INELIGIBLE_LISTED)
+        ],
+        "ineligible_count": len(choice.ineligible_ids),
+        "ineligible_by_reason": by_reason,
+    }

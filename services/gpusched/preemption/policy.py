@@ -1,18 +1,16 @@
-"""The controller's decisions as pure functions: pool reading + controller view -> what
-to do. No I/O and no clock (``now`` is passed in); the sizing and victim rules are
-domain/elastic.py's, this module adds what a running controller needs around them:
-one decision in flight at a time, the cooldown between pool changes, idle shared GPUs
-before evictions, and stale or incomplete readings.
-
-Seams for the later work: hysteresis windows (a signal held long enough) belong before
-``decide``'s threshold checks; minimum runtime belongs in the candidates the caller
-passes; ``within_tier`` of ``choose_victims`` takes a fragmentation-aware order.
+"""The controller's decisions as pure functions: (held signals, the latest reading, the
+controller's own state, now) -> what to do. No I/O and no clock of its own; the sizing
+and victim rules are domain/elastic.py's, the windows are signals.py's. This module
+adds what a running controller needs around them: a condition held for its window,
+one decision in flight at a time, the cooldown between pool changes, the minimum time
+lent GPUs stay lent, the eviction rate limit, idle shared GPUs before evictions, and
+stale or incomplete readings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from gpusched.domain.elastic import (
@@ -24,20 +22,36 @@ from gpusched.domain.elastic import (
     decide_expand,
     decide_shrink,
 )
+from gpusched.preemption.signals import (
+    HeldSignals,
+    PoolFigures,
+    PoolReading,
+    ServiceReading,
+    SignalLimits,
+    expand_causes,
+    held_for,
+    shrink_cause,
+)
 
 __all__ = [
     "ControllerLimits",
     "ControllerView",
     "Expand",
     "Hold",
+    "LentReservation",
     "PoolFigures",
     "PoolReading",
+    "ServiceReading",
     "Shrink",
     "Withdraw",
     "decide",
+    "expand_due",
     "replacement",
+    "returnable",
     "split_return",
 ]
+
+EVICTION_RATE_WINDOW_S = 60.0  # max_evictions_per_min counts requests in this window
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,38 +60,37 @@ class ControllerLimits:
     cooldown_s: float
     # A snapshot older than this (a backlog after a restart) says nothing about now.
     max_reading_age_s: float
+    signals: SignalLimits = field(default_factory=SignalLimits)
+    min_lend_s: float = 0.0
+    min_runtime_s: float = 0.0
+    max_evictions_per_min: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class PoolFigures:
+class LentReservation:
+    reservation_id: str
     gpus: int
-    util: float
-    reporting_gpus: int
-
-    @property
-    def known(self) -> bool:
-        return self.reporting_gpus > 0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolReading:
-    time: datetime
-    inference: PoolFigures  # dedicated + lent GPUs
-    shared: PoolFigures  # shared GPUs not lent
+    lent_at: datetime  # when its newest GPU was lent
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerView:
-    """What the controller's own state says when a reading arrives."""
+    """What the controller's own state says when it decides."""
 
     in_flight: bool
     last_change_at: datetime | None
     last_shortfall_at: datetime | None
-    lent_gpus: int
+    reservations: tuple[LentReservation, ...]
     shared_allocated_gpus: int  # GPUs held by live allocations in the shared pool
     candidates: tuple[VictimCandidate, ...]
     # Open evictions of the decision in flight not yet asked to cancel.
     withdrawable: tuple[str, ...] = ()
+    # Eviction requests made in the last EVICTION_RATE_WINDOW_S.
+    recent_evictions: int = 0
+
+    @property
+    def lent_gpus(self) -> int:
+        return sum(r.gpus for r in self.reservations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +110,8 @@ class Hold:
 @dataclass(frozen=True, slots=True)
 class Expand:
     """Lend ``gpus`` shared GPUs: ``free_gpus`` idle ones at once, the rest by evicting
-    ``choice.victims``; ``shortfall`` GPUs could not be found at all."""
+    ``choice.victims``; ``shortfall`` GPUs could not be found at all; ``choice.deferred``
+    waits for the eviction rate limit."""
 
     signals: PoolSignals
     gpus: int
@@ -115,6 +129,8 @@ class Expand:
 class Shrink:
     signals: PoolSignals
     gpus: int
+    # (reservation, GPUs) to return, newest first, only from GPUs lent >= min_lend_s.
+    returns: tuple[tuple[str, int], ...]
     reason: str
 
 
@@ -122,7 +138,11 @@ Outcome = Hold | Expand | Shrink | Withdraw
 
 
 def decide(
-    reading: PoolReading, view: ControllerView, limits: ControllerLimits, now: datetime
+    reading: PoolReading,
+    held: HeldSignals,
+    view: ControllerView,
+    limits: ControllerLimits,
+    now: datetime,
 ) -> Outcome:
     age = (now - reading.time).total_seconds()
     if age > limits.max_reading_age_s:
@@ -140,43 +160,130 @@ def decide(
                 f"{target:.2f} before the evictions completed",
             )
         return Hold("a decision is in flight")
-    shared_util = _shared_util(reading.shared)
+    shared = reading.shared
     signals = PoolSignals(
         inference_util=reading.inference.util,
-        shared_util=0.0 if shared_util is None else shared_util,
+        shared_util=shared.util if shared.known else 0.0,
         inference_gpus=reading.inference.gpus,
-        shared_available=reading.shared.gpus,
+        shared_available=shared.gpus,
         lent_gpus=view.lent_gpus,
     )
     cooling = _cooldown_left(view.last_change_at, now, limits.cooldown_s)
-    expand = decide_expand(signals, limits.thresholds)
-    if expand is not None:
-        if cooling > 0:
-            return Hold(f"expand wanted, cooldown has {cooling:.0f}s left")
-        free = min(expand.gpus, max(0, reading.shared.gpus - view.shared_allocated_gpus))
-        choice = choose_victims(view.candidates, expand.gpus - free, now)
-        outcome = Expand(
-            signals=signals,
-            gpus=expand.gpus,
-            free_gpus=free,
-            choice=choice,
-            shortfall=expand.shortfall + choice.shortfall,
-            reason=expand.reason,
+    causes = expand_causes(reading, limits.thresholds, limits.signals)
+    if causes:
+        return _expand(reading, held, view, limits, now, signals, causes, cooling)
+    if shrink_cause(reading, limits.thresholds) is None:
+        return Hold("within the hysteresis band")
+    return _shrink(held, view, limits, now, signals, cooling)
+
+
+def expand_due(
+    reading: PoolReading, held: HeldSignals, limits: ControllerLimits, now: datetime
+) -> bool:
+    """True when an expand condition holds now and has held for its window: only then
+    does a decision need the victim candidates (the caller loads them on that)."""
+    return (
+        bool(expand_causes(reading, limits.thresholds, limits.signals))
+        and held_for(held.expand_since, now) >= limits.signals.expand_hold_s
+    )
+
+
+def _expand(
+    reading: PoolReading,
+    held: HeldSignals,
+    view: ControllerView,
+    limits: ControllerLimits,
+    now: datetime,
+    signals: PoolSignals,
+    causes: tuple[str, ...],
+    cooling: float,
+) -> Outcome:
+    window = limits.signals.expand_hold_s
+    held_s = held_for(held.expand_since, now)
+    if held_s < window:
+        return Hold(
+            f"expand wanted ({'; '.join(causes)}), held {max(held_s, 0):.0f}s of {window:.0f}s"
         )
-        if not outcome.changes_pools and _cooldown_left(
-            view.last_shortfall_at, now, limits.cooldown_s
-        ):
+    if cooling > 0:
+        return Hold(f"expand wanted, cooldown has {cooling:.0f}s left")
+    util_cause = reading.inference.util > limits.thresholds.expand_above
+    expand = decide_expand(
+        signals,
+        limits.thresholds,
+        triggered_by=None if util_cause else "; ".join(causes),
+    )
+    assert expand is not None  # a cause holds, so decide_expand sizes a change
+    reason = f"{expand.reason}; held {held_s:.0f}s >= {window:.0f}s"
+    free = min(expand.gpus, max(0, reading.shared.gpus - view.shared_allocated_gpus))
+    allowance = None
+    if limits.max_evictions_per_min is not None:
+        allowance = max(0, limits.max_evictions_per_min - view.recent_evictions)
+    choice = choose_victims(
+        view.candidates,
+        expand.gpus - free,
+        now,
+        min_runtime_s=limits.min_runtime_s,
+        max_victims=allowance,
+    )
+    if choice.deferred:
+        reason += f"; {choice.deferred} GPUs wait for the eviction rate limit"
+    outcome = Expand(
+        signals=signals,
+        gpus=expand.gpus,
+        free_gpus=free,
+        choice=choice,
+        shortfall=expand.shortfall + choice.shortfall,
+        reason=reason,
+    )
+    if not outcome.changes_pools:
+        if not outcome.shortfall:
+            return Hold("expand wanted, every victim waits for the eviction rate limit")
+        if _cooldown_left(view.last_shortfall_at, now, limits.cooldown_s):
             # Nothing to lend and the shortfall was raised already: alert once per cooldown.
             return Hold("shortfall already raised")
-        return outcome
-    if shared_util is None:
-        return Hold("no shared GPU reported")
+    return outcome
+
+
+def _shrink(
+    held: HeldSignals,
+    view: ControllerView,
+    limits: ControllerLimits,
+    now: datetime,
+    signals: PoolSignals,
+    cooling: float,
+) -> Outcome:
     shrink = decide_shrink(signals, limits.thresholds)
     if shrink is None:
-        return Hold("within the hysteresis band")
+        return Hold("nothing lent to return")
+    window = limits.signals.shrink_hold_s
+    held_s = held_for(held.shrink_since, now)
+    if held_s < window:
+        return Hold(f"shrink wanted, held {max(held_s, 0):.0f}s of {window:.0f}s")
     if cooling > 0:
         return Hold(f"shrink wanted, cooldown has {cooling:.0f}s left")
-    return Shrink(signals=signals, gpus=shrink.gpus, reason=shrink.reason)
+    ready = returnable(view.reservations, now, limits.min_lend_s)
+    returns = tuple(split_return(shrink.gpus, [(r.reservation_id, r.gpus) for r in ready]))
+    gpus = sum(n for _, n in returns)
+    if gpus == 0:
+        return Hold(
+            f"shrink wanted, every lent GPU is inside its {limits.min_lend_s:.0f}s min lend"
+        )
+    reason = f"{shrink.reason}; held {held_s:.0f}s >= {window:.0f}s"
+    if gpus < shrink.gpus:
+        reason += (
+            f"; {shrink.gpus - gpus} GPUs stay lent until their {limits.min_lend_s:.0f}s min lend"
+        )
+    return Shrink(signals=signals, gpus=gpus, returns=returns, reason=reason)
+
+
+def returnable(
+    reservations: Iterable[LentReservation], now: datetime, min_lend_s: float
+) -> list[LentReservation]:
+    """Reservations lent at least ``min_lend_s`` ago, newest first: a surge that comes
+    back minutes later finds its GPUs still lent instead of evicting training again."""
+    cutoff = now - timedelta(seconds=min_lend_s)
+    ready = [r for r in reservations if r.lent_at <= cutoff]
+    return sorted(ready, key=lambda r: (-r.lent_at.timestamp(), r.reservation_id))
 
 
 def replacement(
@@ -184,10 +291,22 @@ def replacement(
     missing: int,
     now: datetime,
     exclude: Iterable[str],
+    limits: ControllerLimits,
+    recent_evictions: int = 0,
 ) -> VictimChoice:
-    """Victims for GPUs an aborted eviction did not free, never one tried already."""
+    """Victims for GPUs an aborted eviction did not free, never one tried already, under
+    the same min runtime and eviction rate limit as the first choice."""
     excluded = set(exclude)
-    return choose_victims([c for c in candidates if c.allocation_id not in excluded], missing, now)
+    allowance = None
+    if limits.max_evictions_per_min is not None:
+        allowance = max(0, limits.max_evictions_per_min - recent_evictions)
+    return choose_victims(
+        [c for c in candidates if c.allocation_id not in excluded],
+        missing,
+        now,
+        min_runtime_s=limits.min_runtime_s,
+        max_victims=allowance,
+    )
 
 
 def split_return(gpus: int, reservations: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -203,14 +322,6 @@ def split_return(gpus: int, reservations: Sequence[tuple[str, int]]) -> list[tup
             parts.append((reservation_id, take))
             left -= take
     return parts
-
-
-def _shared_util(shared: PoolFigures) -> float | None:
-    # A shared pool with nothing left in it (all lent) trains nothing; one whose GPUs
-    # all went silent is unknown, and unknown must not read as idle.
-    if shared.known:
-        return shared.util
-    return 0.0 if shared.gpus == 0 else None
 
 
 def _cooldown_left(since: datetime | None, now: datetime, cooldown_s: float) -> float:

@@ -10,12 +10,14 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from gpusched.contracts.messages import AllocationGranted
+from gpusched.contracts.messages import AllocationGranted, PoolSnapshot
 from gpusched.contracts.messages import GpuRef as WireGpuRef
 from gpusched.domain.elastic import PriorityClass, VictimCandidate
 from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.infra import tracing
 from gpusched.infra.db import UnitOfWork
+from gpusched.preemption.policy import LentReservation
+from gpusched.preemption.signals import HeldSignals
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ class EvictionStatus(StrEnum):
 class ControllerRow:
     last_change_at: datetime | None
     last_shortfall_at: datetime | None
+    held: HeldSignals
+    # The newest pool snapshot as it came off the wire, and its message id.
+    reading: PoolSnapshot | None
+    reading_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +65,62 @@ async def lock_controller(uow: UnitOfWork) -> ControllerRow:
     """Every decision takes this row lock first, so replicas decide one at a time."""
     row = (
         await uow.execute(
-            f"SELECT last_change_at, last_shortfall_at FROM {uow.schema}.controller "
-            "WHERE id = 1 FOR UPDATE"
+            "SELECT last_change_at, last_shortfall_at, reading, reading_id, reading_at, "
+            f"expand_since, shrink_since FROM {uow.schema}.controller WHERE id = 1 FOR UPDATE"
         )
     ).one()
-    return ControllerRow(row.last_change_at, row.last_shortfall_at)
+    return ControllerRow(
+        row.last_change_at,
+        row.last_shortfall_at,
+        HeldSignals(row.reading_at, row.expand_since, row.shrink_since),
+        None if row.reading is None else PoolSnapshot.model_validate(row.reading),
+        row.reading_id,
+    )
+
+
+async def record_reading(
+    uow: UnitOfWork, snapshot_id: str, snapshot: PoolSnapshot, held: HeldSignals
+) -> None:
+    await uow.execute(
+        f"UPDATE {uow.schema}.controller SET reading = CAST(:r AS jsonb), reading_id = :id, "
+        "reading_at = :at, expand_since = :e, shrink_since = :s",
+        {
+            "r": snapshot.model_dump_json(),
+            "id": snapshot_id,
+            "at": held.reading_at,
+            "e": held.expand_since,
+            "s": held.shrink_since,
+        },
+    )
 
 
 async def record_change(uow: UnitOfWork, at: datetime) -> None:
-    await uow.execute(f"UPDATE {uow.schema}.controller SET last_change_at = :t", {"t": at})
+    # A pool change ends every window: the next one must hold on the changed pool.
+    await uow.execute(
+        f"UPDATE {uow.schema}.controller SET last_change_at = :t, expand_since = NULL, "
+        "shrink_since = NULL",
+        {"t": at},
+    )
 
 
 async def record_shortfall(uow: UnitOfWork, at: datetime) -> None:
     await uow.execute(f"UPDATE {uow.schema}.controller SET last_shortfall_at = :t", {"t": at})
 
 
+async def recent_evictions(uow: UnitOfWork, since: datetime) -> int:
+    result = await uow.execute(
+        f"SELECT count(*) FROM {uow.schema}.evictions WHERE requested_at > :t", {"t": since}
+    )
+    return int(result.scalar_one())
+
+
 # --- allocations projection --------------------------------------------------------------
 async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
     await uow.execute(
         f"INSERT INTO {uow.schema}.allocations (allocation_id, job_id, team, kind, "
-        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at, trace) VALUES "
-        "(:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, :started, "
-        "CAST(:trace AS jsonb)) "
+        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at, borrowed, trace) "
+        "VALUES (:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, "
+        ":started, :borrowed, CAST(:trace AS jsonb)) "
         "ON CONFLICT (allocation_id) DO NOTHING",
         {
             "a": granted.allocation_id,
@@ -92,7 +132,9 @@ async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
             "refs": json.dumps([[g.node, g.index] for g in granted.gpus]),
             "gpus": len(granted.gpus),
             "ckpt": granted.checkpointable,
+            # The grant's time: a resumed job's new allocation starts a new min runtime.
             "started": granted.granted_at,
+            "borrowed": granted.borrowed,
             # The consumer's span continues the grant's trace, which began at submit.
             "trace": json.dumps(tracing.inject()),
         },
@@ -162,6 +204,7 @@ def _candidate(row: Mapping[str, Any]) -> VictimCandidate | None:
         row["last_checkpoint_at"],
         row["checkpointable"],
         pool=Pool(row["pool"]),
+        borrowed=row["borrowed"],
     )
 
 
@@ -191,12 +234,13 @@ async def unlend(uow: UnitOfWork, gpus: Iterable[WireGpuRef]) -> None:
     )
 
 
-async def reservations_newest_first(uow: UnitOfWork) -> list[tuple[str, int]]:
+async def reservations(uow: UnitOfWork) -> tuple[LentReservation, ...]:
     rows = await uow.execute(
-        f"SELECT reservation_id, count(*) AS gpus FROM {uow.schema}.lent_gpus "
-        "GROUP BY reservation_id ORDER BY max(lent_at) DESC, reservation_id"
+        f"SELECT reservation_id, count(*) AS gpus, max(lent_at) AS lent_at "
+        f"FROM {uow.schema}.lent_gpus GROUP BY reservation_id "
+        "ORDER BY max(lent_at) DESC, reservation_id"
     )
-    return [(r.reservation_id, int(r.gpus)) for r in rows]
+    return tuple(LentReservation(r.reservation_id, int(r.gpus), r.lent_at) for r in rows)
 
 
 # --- decisions and evictions -------------------------------------------------------------

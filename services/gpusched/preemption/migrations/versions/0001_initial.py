@@ -26,6 +26,8 @@ def upgrade() -> None:
             checkpointable     boolean NOT NULL,
             started_at         timestamptz NOT NULL,
             last_checkpoint_at timestamptz,
+            -- Granted over the team's guaranteed quota: reclaimed first.
+            borrowed           boolean NOT NULL DEFAULT false,
             -- The job's trace context, so its eviction continues the job's trace.
             trace              jsonb NOT NULL DEFAULT '{{}}'::jsonb
         )
@@ -80,6 +82,8 @@ def upgrade() -> None:
         """
     )
     op.execute(f"CREATE INDEX evictions_decision ON {schema}.evictions (decision_id)")
+    # The eviction rate limit counts the requests of the last minute.
+    op.execute(f"CREATE INDEX evictions_requested_at ON {schema}.evictions (requested_at)")
     # One row: the timers live in the database (DESIGN §5), and locking it serializes
     # decisions across replicas.
     op.execute(
@@ -87,7 +91,14 @@ def upgrade() -> None:
         CREATE TABLE {schema}.controller (
             id                integer PRIMARY KEY CHECK (id = 1),
             last_change_at    timestamptz,
-            last_shortfall_at timestamptz
+            last_shortfall_at timestamptz,
+            -- The newest pool snapshot (wire JSON) and since when each condition has
+            -- held without a break: the windows survive restarts and failovers.
+            reading           jsonb,
+            reading_id        text,
+            reading_at        timestamptz,
+            expand_since      timestamptz,
+            shrink_since      timestamptz
         )
         """
     )
