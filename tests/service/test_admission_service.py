@@ -659,3 +659,173 @@ async def test_a_missing_inventory_file_stops_the_start_with_a_clear_error(
             await assemble(rt)
     finally:
         await rt.close()
+
+
+# --- quotas, priority governance, why ------------------------------------------------------
+
+QUOTAS = """
+teams:
+  vision:
+    max_priority: p1-normal
+    above_max: reject
+    gpus:
+      A100-80GB: {guaranteed: 2, max: 3}
+  research:
+    max_priority: p2-offline
+    above_max: hold
+    gpus:
+      "*": {guaranteed: 1, max: 4}
+"""
+
+
+@pytest.fixture
+async def governed(admission_settings: Settings, tmp_path: Path) -> AsyncIterator[Admission]:
+    path = tmp_path / "quotas.yaml"
+    path.write_text(QUOTAS)
+    settings = admission_settings.model_copy(
+        update={"admission": admission_settings.admission.model_copy(
+            update={"quotas_path": path})}
+    )  # fmt: skip
+    running = await start_admission(settings)
+    yield running
+    await running.stop()
+
+
+async def why(client: Client, job_id: str) -> dict[str, Any]:
+    body = json.dumps({"job_id": job_id}).encode()
+    return await client.request(client.s.api_jobs_why, body)
+
+
+async def test_a_team_borrows_idle_gpus_up_to_its_max_and_the_grant_marks_them_borrowed(
+    governed: Admission, client: Client
+) -> None:
+    within = await client.submitted(name="within", gpus={"count": 2})
+    await client.job_in(within, "running")
+    beyond = await client.submitted(name="beyond", gpus={"count": 1})
+    await client.job_in(beyond, "running")
+    over = await client.submitted(name="over", gpus={"count": 1})
+
+    granted = await client.events(client.s.event(ADMISSION, T.ALLOCATION_GRANTED), 2)
+    assert [(g.data["job_id"], g.data["borrowed"]) for g in granted] == [
+        (within, False),
+        (beyond, True),
+    ]
+    await client.audits("job.waiting", over, 1)
+    explained = await why(client, over)
+    assert explained["ok"] and explained["state"] == "queued"
+    assert any(
+        reason.startswith("quota: team vision holds 3 A100-80GB GPUs")
+        for reason in explained["reasons"]
+    ), explained
+    # Another team is not held back by vision's quota: it takes the last free GPU.
+    other = await client.submitted(name="other", team="research", priority_class="p2-offline")
+    explained = await why(client, other)
+    assert any(reason.startswith("capacity: 2 x A100-80GB wanted, 1 free") for reason in
+               explained["reasons"]), explained  # fmt: skip
+
+
+async def test_bad_submissions_get_a_clear_code_and_nothing_is_stored(
+    governed: Admission, client: Client
+) -> None:
+    cases = {
+        "unknown_team": {"team": "nobody"},
+        "over_quota": {"gpus": {"count": 4}},
+        "priority_not_allowed": {"priority_class": "p0-urgent"},
+        "invalid": {"gpus": {"count": 1, "milli": 1500}},
+    }
+    for code, fields in cases.items():
+        reply = await client.submit(**fields)
+        assert reply["ok"] is False and reply["error"]["code"] == code, (code, reply)
+        assert reply["error"]["message"]
+    assert await governed.rows("jobs") == 0
+    rejected = await client.audits("job.rejected", "nobody", 1)
+    assert "unknown_team" in rejected[0].data["reason"]
+
+
+async def test_a_job_above_its_teams_max_priority_is_held_until_an_operator_approves_it(
+    governed: Admission, client: Client
+) -> None:
+    job_id = await client.submitted(
+        name="urgent", team="research", priority_class="p0-urgent", gpus={"count": 1}
+    )
+    held = await client.job(job_id)
+    assert held["state"] == "held"
+    assert any("held for approval" in warning for warning in held["warnings"])
+    explained = await why(client, job_id)
+    assert explained["state"] == "held" and "gpusched approve" in explained["reasons"][0]
+
+    approve = json.dumps({"job_id": job_id, "operator": "ops-ann", "reason": "deadline"})
+    reply = await client.request(client.s.api_jobs_approve, approve.encode())
+
+    assert reply["ok"] is True
+    await client.job_in(job_id, "running")
+    [audit] = await client.audits("job.approved", job_id, 1)
+    assert audit.data["details"] == {"operator": "ops-ann", "reason": "deadline"}
+    again = await client.request(client.s.api_jobs_approve, approve.encode())
+    assert again["ok"] is False and again["error"]["code"] == "not_held"
+
+
+async def start_with(admission_settings: Settings, **admission: Any) -> Admission:
+    settings = admission_settings.model_copy(
+        update={"admission": admission_settings.admission.model_copy(update=admission)}
+    )
+    return await start_admission(settings)
+
+
+async def test_a_gang_that_waited_holds_its_node_so_small_jobs_cannot_starve_it(
+    admission_settings: Settings, client: Client
+) -> None:
+    running = await start_with(admission_settings, reserve_after_s=0.5, starve_after_s=3600)
+    try:
+        small = await client.submitted(name="small", gpus={"count": 2})
+        small_job = await client.job_in(small, "running")
+        big = await client.submitted(name="big", gpus={"count": 4})
+        [reserving] = await client.audits("job.reserving", big, 1)
+        assert reserving.data["details"]["node"] == "shared-00"
+
+        # Two GPUs are free, but they are held for the gang that waits for four.
+        late = await client.submitted(name="late", gpus={"count": 1})
+        await client.audits("job.waiting", late, 1)
+        assert (await client.job(late))["state"] == "queued"
+        await client.stopped(small_job, StopReason.COMPLETED)
+
+        placed = await client.job_in(big, "running")
+        assert len(placed["allocated"]) == 4
+    finally:
+        await running.stop()
+
+
+async def test_a_job_that_waited_too_long_is_offered_fewer_gpus_if_it_allows(
+    admission_settings: Settings, client: Client
+) -> None:
+    running = await start_with(admission_settings, reserve_after_s=3600, starve_after_s=0.5)
+    try:
+        small = await client.submitted(name="small", gpus={"count": 2})
+        await client.job_in(small, "running")
+        flexible = await client.submitted(name="flexible", gpus={"count": 4, "min_count": 2})
+
+        placed = await client.job_in(flexible, "running")
+
+        assert len(placed["allocated"]) == 2
+        assert any("offered 2 of 4 GPUs" in warning for warning in placed["warnings"])
+    finally:
+        await running.stop()
+
+
+async def test_a_gang_is_placed_inside_one_nvlink_island_read_back_from_the_database(
+    admission_settings: Settings, client: Client, tmp_path: Path
+) -> None:
+    path = tmp_path / "islands.yaml"
+    path.write_text(INVENTORY + "    nvlink_islands: [[0, 2], [1, 3]]\n")
+    running = await start_with(admission_settings, inventory_path=path)
+    try:
+        job_id = await client.submitted(name="pair", gpus={"count": 2})
+
+        placed = await client.job_in(job_id, "running")
+
+        assert [(gpu["node"], gpu["index"]) for gpu in placed["allocated"]] == [
+            ("shared-00", 0),
+            ("shared-00", 2),
+        ]
+    finally:
+        await running.stop()

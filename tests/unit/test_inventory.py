@@ -182,3 +182,30 @@ def test_the_real_openb_node_list_has_1213_gpu_nodes_and_6212_gpus() -> None:
     by_model = Counter(n.gpus[0].model for n in inventory.nodes)
     assert by_model["G2"] == 549
     assert by_model["T4"] == 404
+
+
+def test_nvlink_islands_and_numa_groups_are_read_and_islands_rank_first() -> None:
+    entry = node(nvlink_islands=[[0, 1, 2, 3], [4, 5, 6, 7]], numa=[[0, 1, 2, 3, 4, 5, 6, 7]])
+
+    (only,) = parse_inventory({"nodes": [entry]}).nodes
+
+    assert only.nvlink_islands == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert only.gpu_groups == only.nvlink_islands
+    (plain,) = parse_inventory({"nodes": [node(numa=[[0, 1], [2, 3, 4, 5, 6, 7]])]}).nodes
+    assert plain.gpu_groups == ((0, 1), (2, 3, 4, 5, 6, 7))
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([[0, 1], [1, 2]], "lists a GPU twice"),
+        ([[0, 9]], r"unknown GPU\(s\) \[9\]"),
+        ([[]], "empty group"),
+        ([0, 1], "list of lists"),
+    ],
+)
+def test_malformed_gpu_groups_are_refused_with_the_node_named(
+    groups: list[Any], message: str
+) -> None:
+    with pytest.raises(InventoryError, match=message):
+        parse_inventory({"nodes": [node(nvlink_islands=groups)]})

@@ -587,6 +587,26 @@ class LedgerMachine(RuleBasedStateMachine):
         assert sum(self.ledger.free_counts().values()) == len(ALL_REFS) - held
 
     @invariant()
+    def the_placement_index_matches_the_gpus(self) -> None:
+        placeable: dict[str, int] = {}
+        for slot in self.ledger.gpus:
+            placeable.setdefault(slot.ref.node, 0)
+            placeable[slot.ref.node] += slot.placeable
+        assert {node.node: node.free for node in self.ledger.nodes_free()} == placeable
+
+    @rule(
+        kind=st.sampled_from(JobKind),
+        gpus=st.integers(min_value=1, max_value=12),
+        model=st.sampled_from([None, "A100-80GB", "T4"]),
+    )
+    def packing_finds_room_exactly_when_first_fit_does(
+        self, kind: JobKind, gpus: int, model: str | None
+    ) -> None:
+        request = PlacementRequest("probe", kind, gpus, model)
+        packed = self.ledger.place(request)
+        assert (packed is None) == (self.ledger.place(request, strategy=first_fit) is None)
+
+    @invariant()
     def training_never_holds_an_inference_gpu(self) -> None:
         for allocation in self.ledger.allocations.values():
             if allocation.kind is JobKind.TRAINING:

@@ -7,6 +7,8 @@ gpusched service NAME       run one service (what containers run)
 gpusched migrate            create streams and run every service's migrations
 gpusched submit ...         submit a training job
 gpusched get JOB_ID         a job's state, allocation and checkpoint
+gpusched why JOB_ID         why a job waits, in words
+gpusched approve JOB_ID     let a job held above its team's max priority class in
 gpusched bill [--team T]    billing statements per team
 gpusched audit [--follow]   the audit stream
 """
@@ -18,6 +20,7 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -26,7 +29,16 @@ from typing import Any
 from gpusched.cli.client import ApiClient, ApiError
 from gpusched.cli.stack import SERVICES, Stack, prepare
 from gpusched.contracts.envelope import Envelope
-from gpusched.contracts.messages import GpuRequest, JobKind, PriorityClassName, SubmitJob
+from gpusched.contracts.messages import (
+    ApproveJob,
+    ApproveReply,
+    GpuRequest,
+    JobKind,
+    PriorityClassName,
+    SubmitJob,
+    WhyJob,
+    WhyReply,
+)
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
 
@@ -75,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     get = sub.add_parser("get", help="show a job")
     get.add_argument("job_id")
     get.set_defaults(run=_get)
+
+    why = sub.add_parser("why", help="explain in words why a job waits")
+    why.add_argument("job_id")
+    why.set_defaults(run=_why)
+
+    approve = sub.add_parser("approve", help="let a job held above its team's priority in")
+    approve.add_argument("job_id")
+    approve.add_argument("--operator", default=os.environ.get("USER") or "operator")
+    approve.add_argument("--reason", default="")
+    approve.set_defaults(run=_approve)
 
     bill = sub.add_parser("bill", help="billing statements per team")
     bill.add_argument("--team")
@@ -161,6 +183,38 @@ def _get(args: argparse.Namespace) -> int:
     async def go() -> int:
         async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
             reply = await api.get(args.job_id)
+        print(reply.model_dump_json(indent=2, exclude_none=True))
+        return 0 if reply.ok else 1
+
+    return _api_call(go)
+
+
+def _why(args: argparse.Namespace) -> int:
+    settings = Settings()
+
+    async def go() -> int:
+        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+            body = WhyJob(job_id=args.job_id).model_dump_json().encode()
+            reply = WhyReply.model_validate_json(await api.request(api.subjects.api_jobs_why, body))
+        if not reply.ok:
+            print(reply.model_dump_json(indent=2, exclude_none=True))
+            return 1
+        print(f"{reply.job_id} is {reply.state}:")
+        for reason in reply.reasons:
+            print(f"  - {reason}")
+        return 0
+
+    return _api_call(go)
+
+
+def _approve(args: argparse.Namespace) -> int:
+    settings = Settings()
+
+    async def go() -> int:
+        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+            body = ApproveJob(job_id=args.job_id, operator=args.operator, reason=args.reason)
+            raw = await api.request(api.subjects.api_jobs_approve, body.model_dump_json().encode())
+        reply = ApproveReply.model_validate_json(raw)
         print(reply.model_dump_json(indent=2, exclude_none=True))
         return 0 if reply.ok else 1
 

@@ -82,6 +82,10 @@ class NodeSpec:
     gpus: tuple[GpuSpec, ...]
     cpu_milli: int
     memory_mib: int
+    # GPU indices that talk over NVLink, and GPUs per NUMA node; both optional. A gang
+    # inside one group avoids PCIe/inter-socket hops on every collective.
+    nvlink_islands: tuple[tuple[int, ...], ...] = ()
+    numa: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gpus:
@@ -91,6 +95,21 @@ class NodeSpec:
                 raise InventoryError(f"GPU {gpu.ref} is listed under node {self.name!r}")
         if len({gpu.index for gpu in self.gpus}) != len(self.gpus):
             raise InventoryError(f"node {self.name!r} lists a GPU index twice")
+        indices = {gpu.index for gpu in self.gpus}
+        for field, groups in (("nvlink_islands", self.nvlink_islands), ("numa", self.numa)):
+            listed = [index for group in groups for index in group]
+            if len(set(listed)) != len(listed):
+                raise InventoryError(f"node {self.name!r}: {field} lists a GPU twice")
+            if not set(listed) <= indices:
+                unknown = sorted(set(listed) - indices)
+                raise InventoryError(f"node {self.name!r}: {field} names unknown GPU(s) {unknown}")
+            if any(not group for group in groups):
+                raise InventoryError(f"node {self.name!r}: {field} has an empty group")
+
+    @property
+    def gpu_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups placement keeps a gang inside: NVLink islands, else NUMA nodes."""
+        return self.nvlink_islands or self.numa
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +148,10 @@ def _gpus_of(node: str, count: int, model: str, memory_mib: int) -> tuple[GpuSpe
 # --- YAML-shaped inventory --------------------------------------------------------
 
 _REQUIRED_FIELDS = ("pool", "gpu_model", "gpus", "cpu_milli", "memory_mib")
-_KNOWN_FIELDS = frozenset({"name", "name_prefix", "count", "gpu_memory_mib", *_REQUIRED_FIELDS})
+_GROUP_FIELDS = ("nvlink_islands", "numa")
+_KNOWN_FIELDS = frozenset(
+    {"name", "name_prefix", "count", "gpu_memory_mib", *_GROUP_FIELDS, *_REQUIRED_FIELDS}
+)
 
 
 def parse_inventory(data: Mapping[str, Any]) -> Inventory:
@@ -183,10 +205,36 @@ def _parse_entry(entry: Mapping[str, Any], where: str) -> list[NodeSpec]:
         )
     cpu_milli = _positive_int(entry, "cpu_milli", where)
     memory_mib = _positive_int(entry, "memory_mib", where)
-    return [
-        NodeSpec(name, pool, _gpus_of(name, gpu_count, model, gpu_memory), cpu_milli, memory_mib)
-        for name in names
-    ]
+    islands, numa = (_gpu_groups(entry.get(field), field, where) for field in _GROUP_FIELDS)
+    try:
+        return [
+            NodeSpec(
+                name,
+                pool,
+                _gpus_of(name, gpu_count, model, gpu_memory),
+                cpu_milli,
+                memory_mib,
+                islands,
+                numa,
+            )
+            for name in names
+        ]
+    except InventoryError as exc:
+        raise InventoryError(f"{where}: {exc}") from None
+
+
+def _gpu_groups(value: object, field: str, where: str) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(group, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in group)
+        for group in value
+    ):
+        raise InventoryError(
+            f"{where}: {field!r} must be a list of lists of GPU indices, e.g. [[0, 1], [2, 3]]"
+        )
+    return tuple(tuple(group) for group in value)
 
 
 def _entry_names(entry: Mapping[str, Any], where: str) -> list[str]:

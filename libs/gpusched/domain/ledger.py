@@ -12,6 +12,12 @@ Vocabulary:
 - lent: a shared GPU with ``reserved_for`` set. If it is free it is RESERVED_INFERENCE
   at once; if training holds it the reservation is pending and takes effect when that
   allocation is released, so no other training job can slip in between.
+- host room: each node's CPU and memory left; an allocation holds ``cpu_per_gpu`` and
+  ``memory_per_gpu`` on the node of each of its GPUs (0 when the request named none).
+
+Placement (``pack``, the default) reads an index of free GPUs that every slot change
+keeps in step (``_put``), so a decision costs a few candidate nodes, not a walk over
+every GPU; ``pack`` lives in this module because it reads that index directly.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from gpusched.domain.inventory import GpuRef, Inventory, Pool
+from gpusched.domain.placement import HostRoom, NodeFree, choose_in_node, per_gpu, stranded
 
 __all__ = [
     "Allocation",
@@ -52,6 +59,7 @@ __all__ = [
     "UnknownReservation",
     "default_pools",
     "first_fit",
+    "pack",
 ]
 
 
@@ -186,6 +194,11 @@ class Allocation:
     model: str
     # The serving pool at grant time: INFERENCE for an inference job on lent GPUs.
     pool: Pool
+    # Host CPU and memory held on each GPU's node, per GPU (0: not accounted).
+    cpu_per_gpu: int = 0
+    memory_per_gpu: int = 0
+    # Granted beyond the team's guaranteed quota: reclaimed first.
+    borrowed: bool = False
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -226,10 +239,19 @@ class PlacementRequest:
     model: str | None = None
     # Serving pools the job may use, most preferred first; empty: default_pools(kind).
     pools: tuple[Pool, ...] = ()
+    # Host CPU (1/1000 core) and memory the whole job needs beside its GPUs.
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    # False for a workload that cannot cross nodes (one Kubernetes pod).
+    may_span_nodes: bool = True
+    # Nodes held for another job (a starving gang's reservation): not used here.
+    exclude_nodes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise InvalidRequest(f"job {self.job_id}: needs at least 1 GPU, asked {self.gpus}")
+        if self.cpu_milli < 0 or self.memory_mib < 0:
+            raise InvalidRequest(f"job {self.job_id}: host CPU and memory must not be negative")
         if not self.pools:
             object.__setattr__(self, "pools", default_pools(self.kind))
         if self.kind is JobKind.TRAINING and Pool.INFERENCE in self.pools:
@@ -287,6 +309,8 @@ def first_fit(
             for key, group in groups[node].items():
                 if _tier(key, request) == tier and len(group) >= wanted:
                     return tuple(slot.ref for slot in group[:wanted])
+    if not request.may_span_nodes:
+        return None
     # All-or-nothing: partial gathers are discarded unless one reaches the full count.
     for tier in tiers:
         gathered: dict[_GangKey, list[GpuRef]] = {}
@@ -340,6 +364,9 @@ class AllocationGranted:
     granted_at: datetime
     model: str
     pool: Pool
+    cpu_per_gpu: int = 0
+    memory_per_gpu: int = 0
+    borrowed: bool = False
 
     @classmethod
     def of(cls, allocation: Allocation) -> AllocationGranted:
@@ -353,6 +380,9 @@ class AllocationGranted:
             allocation.granted_at,
             allocation.model,
             allocation.pool,
+            allocation.cpu_per_gpu,
+            allocation.memory_per_gpu,
+            allocation.borrowed,
         )
 
     @property
@@ -367,6 +397,9 @@ class AllocationGranted:
             self.granted_at,
             self.model,
             self.pool,
+            self.cpu_per_gpu,
+            self.memory_per_gpu,
+            self.borrowed,
         )
 
     @property
@@ -416,10 +449,29 @@ LedgerEvent = AllocationGranted | AllocationReleased | GpusReserved | GpusReturn
 class Ledger:
     """GPU slots and live allocations of one cluster. Mutable; see the module docstring."""
 
-    __slots__ = ("_allocations", "_slots")
+    __slots__ = (
+        "_allocations",
+        "_buckets",
+        "_free",
+        "_groups",
+        "_hosts",
+        "_node_gpus",
+        "_shapes",
+        "_slots",
+    )
 
-    def __init__(self, gpus: Iterable[GpuSlot]) -> None:
-        """An idle ledger over ``gpus``; live state comes back through ``restore``/``apply``."""
+    def __init__(
+        self,
+        gpus: Iterable[GpuSlot],
+        hosts: Mapping[str, tuple[int, int]] | None = None,
+        groups: Mapping[str, tuple[tuple[int, ...], ...]] | None = None,
+    ) -> None:
+        """An idle ledger over ``gpus``; live state comes back through ``restore``/``apply``.
+
+        ``hosts`` gives each node's (cpu_milli, memory_mib) so placement also respects
+        host CPU and memory; a node missing from it is not limited. ``groups`` gives a
+        node's NVLink islands / NUMA GPU groups.
+        """
         # Sorted once here so every query and strategy sees name order, then index.
         ordered = sorted(gpus, key=lambda slot: slot.ref)
         self._slots: dict[GpuRef, GpuSlot] = {slot.ref: slot for slot in ordered}
@@ -430,13 +482,38 @@ class Ledger:
         if busy:
             raise InvalidRequest(f"a new ledger starts with free GPUs only: {', '.join(busy)}")
         self._allocations: dict[str, Allocation] = {}
+        self._hosts: dict[str, HostRoom] = {
+            node: HostRoom(cpu, memory, cpu, memory)
+            for node, (cpu, memory) in (hosts or {}).items()
+        }
+        self._groups: dict[str, tuple[tuple[int, ...], ...]] = dict(groups or {})
+        self._node_gpus: dict[str, int] = {}
+        for slot in ordered:
+            self._node_gpus[slot.ref.node] = self._node_gpus.get(slot.ref.node, 0) + 1
+        # A node's shape is its host size: placement fills small hosts before large
+        # ones, which keeps large hosts for the jobs that need their CPU and memory.
+        self._shapes: dict[str, _Shape] = {
+            node: (room.cpu_total, room.memory_total) if (room := self._hosts.get(node)) else (0, 0)
+            for node in self._node_gpus
+        }
+        # The placement index, kept in step with every slot change so a decision looks
+        # only at nodes that can take the gang: per gang key, each node's free GPUs, and
+        # the nodes bucketed by how many GPUs of that key they have free, then by shape.
+        self._free: dict[_GangKey, dict[str, dict[int, GpuSlot]]] = {}
+        self._buckets: dict[_GangKey, dict[int, dict[_Shape, dict[str, None]]]] = {}
+        for slot in ordered:
+            self._index_add(slot)
 
     @classmethod
     def from_inventory(cls, inventory: Inventory) -> Ledger:
         return cls(
-            GpuSlot(gpu.ref, gpu.model, gpu.memory_mib, node.pool)
-            for node in inventory.nodes
-            for gpu in node.gpus
+            (
+                GpuSlot(gpu.ref, gpu.model, gpu.memory_mib, node.pool)
+                for node in inventory.nodes
+                for gpu in node.gpus
+            ),
+            hosts={node.name: (node.cpu_milli, node.memory_mib) for node in inventory.nodes},
+            groups={node.name: node.gpu_groups for node in inventory.nodes if node.gpu_groups},
         )
 
     @classmethod
@@ -529,20 +606,70 @@ class Ledger:
     def lent_gpus(self) -> tuple[GpuRef, ...]:
         return tuple(slot.ref for slot in self._slots.values() if slot.reserved_for is not None)
 
+    def host_room(self, node: str) -> HostRoom | None:
+        """The node's CPU and memory left, or None when the ledger does not limit them."""
+        return self._hosts.get(node)
+
+    def nodes_free(self) -> tuple[NodeFree, ...]:
+        """Placeable GPUs per node (every serving pool), in name order."""
+        free = dict.fromkeys(self._node_gpus, 0)
+        for by_node in self._free.values():
+            for node, slots in by_node.items():
+                free[node] += len(slots)
+        return tuple(NodeFree(node, free[node], self._node_gpus[node]) for node in sorted(free))
+
+    def stranded_gpus(self) -> int:
+        """Free GPUs whose node has no CPU or memory left to feed them."""
+        return sum(
+            stranded(node.free, self._hosts.get(node.node), node.total)
+            for node in self.nodes_free()
+        )
+
     # --- commands (decide, then evolve) ---
 
     def place(
-        self, request: PlacementRequest, strategy: PlacementStrategy = first_fit
+        self, request: PlacementRequest, strategy: PlacementStrategy | None = None
     ) -> Placement | None:
-        """Find GPUs for ``request`` without changing anything; ``allocate`` commits."""
-        candidates: dict[str, list[GpuSlot]] = {}
-        for slot in self._slots.values():
-            if _eligible(slot, request):
-                candidates.setdefault(slot.ref.node, []).append(slot)
-        chosen = strategy(candidates, request)
+        """Find GPUs for ``request`` without changing anything; ``allocate`` commits.
+
+        Without a strategy: ``pack`` (see there) on the ledger's index. A strategy
+        function sees every eligible free GPU, trimmed per node to what the node's host
+        CPU and memory can feed.
+        """
+        if strategy is None:
+            chosen = pack(self, request)
+        else:
+            chosen = strategy(self._candidates(request), request)
         if chosen is None:
             return None
         return self._check_placement(request, chosen)
+
+    def _candidates(self, request: PlacementRequest) -> dict[str, list[GpuSlot]]:
+        cpu, memory = _host_per_gpu(request)
+        candidates: dict[str, list[GpuSlot]] = {}
+        for slot in self._slots.values():
+            if _eligible(slot, request) and slot.ref.node not in request.exclude_nodes:
+                candidates.setdefault(slot.ref.node, []).append(slot)
+        if cpu or memory:
+            for node, slots in list(candidates.items()):
+                fed = self._host_feeds(node, cpu, memory, len(slots))
+                if fed:
+                    candidates[node] = slots[:fed]
+                else:
+                    del candidates[node]
+        return candidates
+
+    def _host_feeds(self, node: str, cpu_per_gpu: int, memory_per_gpu: int, upto: int) -> int:
+        """How many GPUs (at most ``upto``) the node's host room can feed."""
+        room = self._hosts.get(node)
+        if room is None:
+            return upto
+        fed = upto
+        if cpu_per_gpu:
+            fed = min(fed, room.cpu_free // cpu_per_gpu)
+        if memory_per_gpu:
+            fed = min(fed, room.memory_free // memory_per_gpu)
+        return max(fed, 0)
 
     def allocate(
         self,
@@ -551,6 +678,8 @@ class Ledger:
         team: str,
         priority_class: PriorityClass,
         now: datetime,
+        *,
+        borrowed: bool = False,
     ) -> AllocationGranted:
         _require_aware(now)
         if allocation_id in self._allocations:
@@ -563,6 +692,7 @@ class Ledger:
             )
         # Re-checked here: the ledger may have changed since place() proposed it.
         checked = self._check_placement(request, placement.gpus)
+        cpu, memory = _host_per_gpu(request)
         event = AllocationGranted(
             allocation_id=allocation_id,
             job_id=request.job_id,
@@ -573,6 +703,9 @@ class Ledger:
             granted_at=now,
             model=checked.model,
             pool=checked.pool,
+            cpu_per_gpu=cpu,
+            memory_per_gpu=memory,
+            borrowed=borrowed,
         )
         self._evolve(event)
         return event
@@ -689,22 +822,31 @@ class Ledger:
         # Callers have validated the whole event first, so a refused command never
         # leaves the ledger half-changed.
         slots = self._slots
+        put = self._put
         match event:
             case AllocationGranted():
                 for ref in event.gpus:
-                    slots[ref] = replace(
-                        slots[ref], status=GpuStatus.ALLOCATED, allocation_id=event.allocation_id
+                    put(
+                        replace(
+                            slots[ref],
+                            status=GpuStatus.ALLOCATED,
+                            allocation_id=event.allocation_id,
+                        )
                     )
-                self._allocations[event.allocation_id] = event.allocation
+                allocation = event.allocation
+                self._allocations[event.allocation_id] = allocation
+                self._hold_hosts(allocation, -1)
             case AllocationReleased():
-                for ref in self._allocations.pop(event.allocation_id).gpus:
+                allocation = self._allocations.pop(event.allocation_id)
+                self._hold_hosts(allocation, +1)
+                for ref in allocation.gpus:
                     slot = slots[ref]
                     status = (
                         GpuStatus.FREE
                         if slot.reserved_for is None
                         else GpuStatus.RESERVED_INFERENCE
                     )
-                    slots[ref] = replace(slot, status=status, allocation_id=None)
+                    put(replace(slot, status=status, allocation_id=None))
             case GpusReserved():
                 for ref in event.gpus:
                     slot = slots[ref]
@@ -713,7 +855,7 @@ class Ledger:
                         if slot.status is GpuStatus.FREE
                         else slot.status
                     )
-                    slots[ref] = replace(slot, status=status, reserved_for=event.reservation_id)
+                    put(replace(slot, status=status, reserved_for=event.reservation_id))
             case GpusReturned():
                 for ref in event.gpus:
                     slot = slots[ref]
@@ -722,7 +864,57 @@ class Ledger:
                         if slot.status is GpuStatus.RESERVED_INFERENCE
                         else slot.status
                     )
-                    slots[ref] = replace(slot, status=status, reserved_for=None)
+                    put(replace(slot, status=status, reserved_for=None))
+
+    def _put(self, slot: GpuSlot) -> None:
+        old = self._slots[slot.ref]
+        if old.placeable:
+            self._index_remove(old)
+        self._slots[slot.ref] = slot
+        if slot.placeable:
+            self._index_add(slot)
+
+    def _index_add(self, slot: GpuSlot) -> None:
+        key = _key_of(slot)
+        node = slot.ref.node
+        free = self._free.setdefault(key, {}).setdefault(node, {})
+        buckets = self._buckets.setdefault(key, {})
+        shape = self._shapes[node]
+        count = len(free)
+        if count:
+            _unbucket(buckets, count, shape, node)
+        free[slot.ref.index] = slot
+        buckets.setdefault(count + 1, {}).setdefault(shape, {})[node] = None
+
+    def _index_remove(self, slot: GpuSlot) -> None:
+        key = _key_of(slot)
+        node = slot.ref.node
+        by_node = self._free[key]
+        free = by_node[node]
+        buckets = self._buckets[key]
+        shape = self._shapes[node]
+        count = len(free)
+        _unbucket(buckets, count, shape, node)
+        del free[slot.ref.index]
+        if free:
+            buckets.setdefault(count - 1, {}).setdefault(shape, {})[node] = None
+        else:
+            del by_node[node]
+
+    def _hold_hosts(self, allocation: Allocation, sign: int) -> None:
+        if not (allocation.cpu_per_gpu or allocation.memory_per_gpu):
+            return
+        per_node: dict[str, int] = {}
+        for ref in allocation.gpus:
+            per_node[ref.node] = per_node.get(ref.node, 0) + 1
+        for node, count in per_node.items():
+            room = self._hosts.get(node)
+            if room is not None:
+                self._hosts[node] = replace(
+                    room,
+                    cpu_free=room.cpu_free + sign * count * allocation.cpu_per_gpu,
+                    memory_free=room.memory_free + sign * count * allocation.memory_per_gpu,
+                )
 
     # --- checks ---
 
@@ -741,6 +933,21 @@ class Ledger:
                     f"fit job {request.job_id} (model {request.model or 'any'}, pools "
                     f"{', '.join(request.pools)})"
                 )
+        cpu, memory = _host_per_gpu(request)
+        per_node: dict[str, int] = {}
+        for ref in refs:
+            per_node[ref.node] = per_node.get(ref.node, 0) + 1
+        for node, count in per_node.items():
+            if self._host_feeds(node, cpu, memory, count) < count:
+                raise GpuNotEligible(
+                    f"node {node} has not enough host CPU or memory left for {count} GPU(s) "
+                    f"of job {request.job_id}"
+                )
+        if not request.may_span_nodes and len(per_node) > 1:
+            raise InvalidRequest(f"job {request.job_id} may not span nodes")
+        held = sorted(set(per_node) & request.exclude_nodes)
+        if held:
+            raise GpuNotEligible(f"job {request.job_id} may not use held node(s) {', '.join(held)}")
         gangs = {(slot.serving_pool, slot.model) for slot in slots}
         if len(gangs) != 1:
             raise InvalidRequest(
@@ -769,3 +976,148 @@ class Ledger:
 def _require_aware(now: datetime) -> None:
     if now.tzinfo is None or now.utcoffset() is None:
         raise InvalidRequest(f"time must be timezone-aware, got {now.isoformat()}")
+
+
+# (cpu_milli, memory_mib) of a node's host; (0, 0) when the ledger does not limit it.
+_Shape = tuple[int, int]
+
+
+def _unbucket(
+    buckets: dict[int, dict[_Shape, dict[str, None]]], count: int, shape: _Shape, node: str
+) -> None:
+    by_shape = buckets[count]
+    nodes = by_shape[shape]
+    del nodes[node]
+    if not nodes:
+        del by_shape[shape]
+        if not by_shape:
+            del buckets[count]
+
+
+def _key_of(slot: GpuSlot) -> _GangKey:
+    return (slot.serving_pool, slot.pool, slot.model)
+
+
+def _host_per_gpu(request: PlacementRequest) -> tuple[int, int]:
+    return per_gpu(request.cpu_milli, request.gpus), per_gpu(request.memory_mib, request.gpus)
+
+
+# --- gpusched's packing -----------------------------------------------------------
+
+# Candidates examined per decision once one is found that fits: bounds the cost of a
+# decision on a large cluster; any of them is a valid best fit by GPU count.
+_SCAN_LIMIT = 64
+
+
+def pack(ledger: Ledger, request: PlacementRequest) -> tuple[GpuRef, ...] | None:
+    """gpusched's placement: whole GPUs, all or nothing, packed to keep big holes whole.
+
+    In order: one group (NVLink island / NUMA node) of one node, then one node, then,
+    if the job allows it, across nodes. Among single nodes, best fit: the node with the
+    fewest free GPUs that still fits, so empty nodes stay empty for whole-node gangs;
+    ties go to the placement that strands fewest GPUs (leaves them without host CPU or
+    memory). Across nodes: the fewest nodes, the remainder on the tightest fit. Pool
+    preference (``request.pools`` order, a pool's own GPUs before lent ones) ranks first,
+    as in ``first_fit``.
+    """
+    keys = [
+        key
+        for key in ledger._free
+        if key[0] in request.pools and (request.model is None or key[2] == request.model)
+    ]
+    tiers = sorted({_tier(key, request) for key in keys})
+    by_tier = {tier: [key for key in keys if _tier(key, request) == tier] for tier in tiers}
+    for tier in tiers:
+        found = _best_node(ledger, by_tier[tier], request)
+        if found is not None:
+            return found
+    if request.may_span_nodes:
+        for tier in tiers:
+            for key in by_tier[tier]:
+                found = _fewest_nodes(ledger, key, request)
+                if found is not None:
+                    return found
+    return None
+
+
+def _best_node(
+    ledger: Ledger, keys: Sequence[_GangKey], request: PlacementRequest
+) -> tuple[GpuRef, ...] | None:
+    wanted = request.gpus
+    cpu, memory = _host_per_gpu(request)
+    largest = max((max(ledger._buckets[key], default=0) for key in keys), default=0)
+    best: tuple[tuple[int, bool, int, int], str, tuple[int, ...]] | None = None
+    examined = 0
+    for count in range(wanted, largest + 1):
+        shapes = sorted(
+            (shape, key) for key in keys for shape in ledger._buckets[key].get(count, ())
+        )
+        for shape, key in shapes:
+            for node in ledger._buckets[key][count][shape]:
+                if node in request.exclude_nodes:
+                    continue
+                if ledger._host_feeds(node, cpu, memory, wanted) < wanted:
+                    continue
+                free = sorted(ledger._free[key][node])
+                chosen, in_group = choose_in_node(free, wanted, ledger._groups.get(node, ()))
+                room = ledger._hosts.get(node)
+                total = ledger._node_gpus[node]
+                after = (
+                    None
+                    if room is None
+                    else replace(
+                        room,
+                        cpu_free=room.cpu_free - wanted * cpu,
+                        memory_free=room.memory_free - wanted * memory,
+                    )
+                )
+                strands = stranded(count - wanted, after, total) - stranded(count, room, total)
+                score = (0 if in_group else 1, strands > 0, count, strands)
+                if best is None or score < best[0]:
+                    best = (score, node, chosen)
+                if in_group and strands <= 0:
+                    # Buckets run tightest first: nothing later can beat this one.
+                    return tuple(GpuRef(node, index) for index in chosen)
+                examined += 1
+                if examined >= _SCAN_LIMIT:
+                    return tuple(GpuRef(best[1], index) for index in best[2])
+    if best is None:
+        return None
+    return tuple(GpuRef(best[1], index) for index in best[2])
+
+
+def _fewest_nodes(
+    ledger: Ledger, key: _GangKey, request: PlacementRequest
+) -> tuple[GpuRef, ...] | None:
+    wanted = request.gpus
+    cpu, memory = _host_per_gpu(request)
+    usable: list[tuple[int, str]] = []
+    for node, free in ledger._free[key].items():
+        if node in request.exclude_nodes:
+            continue
+        fed = ledger._host_feeds(node, cpu, memory, len(free))
+        if fed:
+            usable.append((fed, node))
+    if sum(fed for fed, _ in usable) < wanted:
+        return None
+    usable.sort(key=lambda item: (-item[0], item[1]))
+    chosen: list[GpuRef] = []
+    remaining = wanted
+    position = 0
+    while remaining:
+        fed, node = usable[position]
+        if fed >= remaining:
+            # The remainder goes on the tightest node that holds it whole.
+            fed, node = min(
+                (item for item in usable[position:] if item[0] >= remaining),
+                key=lambda item: (item[0], item[1]),
+            )
+            take = remaining
+        else:
+            take = fed
+            position += 1
+        indices = sorted(ledger._free[key][node])
+        picked, _ = choose_in_node(indices, take, ledger._groups.get(node, ()))
+        chosen.extend(GpuRef(node, index) for index in picked)
+        remaining -= take
+    return tuple(sorted(chosen))

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
 
 from gpusched.contracts.messages import T
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
+from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
@@ -56,6 +58,27 @@ def read_inventory(path: Path) -> Inventory:
         raise InventoryUnavailable(f"admission: invalid GPU inventory {path}: {exc}") from exc
 
 
+def read_quotas(path: Path | None) -> QuotaBook | None:
+    """The teams' quotas and priority limits, or None when no file is configured."""
+    if path is None:
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InventoryUnavailable(
+            f"admission: cannot read the quotas {path} ({exc.strerror}); set "
+            "GPUSCHED_ADMISSION__QUOTAS_PATH or unset it to run without quotas"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise InventoryUnavailable(f"admission: {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise InventoryUnavailable(f"admission: {path} must hold a mapping with 'teams'")
+    try:
+        return parse_quotas(data)
+    except QuotaError as exc:
+        raise InventoryUnavailable(f"admission: invalid quotas {path}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class AdmissionService:
     handlers: Admission
@@ -70,13 +93,23 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
     keeper = LedgerKeeper()
     async with rt.uow() as uow:
         await keeper.read(uow)
-    catalog = Catalog(keeper.inventory)
-    scheduler = Scheduler(rt.uow, keeper, catalog, settings.schedule_interval_s)
+    # Read at start: a quota change takes effect on restart (and is in the file's history).
+    catalog = Catalog(keeper.inventory, read_quotas(settings.quotas_path))
+    scheduler = Scheduler(
+        rt.uow,
+        keeper,
+        catalog,
+        settings.schedule_interval_s,
+        reserve_after=timedelta(seconds=settings.reserve_after_s),
+        starve_after=timedelta(seconds=settings.starve_after_s),
+    )
     handlers = Admission(rt.uow, keeper, catalog, scheduler.kick)
 
     s = rt.subjects
     rt.serve(s.api_jobs_submit, handlers.submit)
     rt.serve(s.api_jobs_get, handlers.get)
+    rt.serve(s.api_jobs_approve, handlers.approve)
+    rt.serve(s.api_jobs_why, handlers.why)
     rt.consume(
         bus.Consumer(
             durable="admission-commands",

@@ -14,6 +14,7 @@ from enum import StrEnum
 from gpusched.contracts.messages import ApiError, SubmitJob
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import JobKind, PriorityClass
+from gpusched.domain.quota import AboveMax, QuotaBook
 
 WHOLE_GPU_MILLI = 1000
 _MIB_PER_GIB = 1024
@@ -26,6 +27,10 @@ class ErrorCode(StrEnum):
     UNSATISFIABLE = "unsatisfiable"
     UNSUPPORTED = "unsupported"
     NOT_FOUND = "not_found"
+    UNKNOWN_TEAM = "unknown_team"
+    OVER_QUOTA = "over_quota"
+    PRIORITY_NOT_ALLOWED = "priority_not_allowed"
+    NOT_HELD = "not_held"
 
 
 def refuse(code: ErrorCode, message: str) -> ApiError:
@@ -51,7 +56,8 @@ class _Group:
 
 
 class Catalog:
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: Inventory, quotas: QuotaBook | None = None) -> None:
+        self.quotas = quotas
         self._nodes: dict[str, NodeSpec] = {node.name: node for node in inventory.nodes}
         counts: dict[tuple[Pool, str], list[int]] = {}
         for node in inventory.nodes:
@@ -73,6 +79,11 @@ class Catalog:
                 f"priority class {priority} is for {priority.kind} jobs, not {kind}",
             )
         gpus = job.gpus
+        if gpus.min_count is not None and gpus.min_count > gpus.count:
+            return refuse(
+                ErrorCode.INVALID,
+                f"gpus.min_count ({gpus.min_count}) must not exceed gpus.count ({gpus.count})",
+            )
         if gpus.milli is not None and gpus.milli != WHOLE_GPU_MILLI:
             return refuse(
                 ErrorCode.UNSUPPORTED,
@@ -86,6 +97,8 @@ class Catalog:
                 f"(known: {', '.join(sorted(self.models))})",
             )
         groups = self._fitting(kind, job)
+        if (refusal := self._quota_refusal(job, priority, groups)) is not None:
+            return refusal
         largest = max((group.count for group in groups), default=0)
         if gpus.count > largest:
             wanted = _describe(job)
@@ -98,11 +111,47 @@ class Catalog:
             )
         return None
 
+    def _quota_refusal(
+        self, job: SubmitJob, priority: PriorityClass, groups: list[_Group]
+    ) -> ApiError | None:
+        if self.quotas is None:
+            return None
+        team = self.quotas.team(job.team)
+        if team is None:
+            return refuse(
+                ErrorCode.UNKNOWN_TEAM,
+                f"team {job.team!r} has no quota (known teams: "
+                f"{', '.join(sorted(self.quotas.teams))}); ask an operator to add it",
+            )
+        if not team.allows(priority) and team.above_max is AboveMax.REJECT:
+            return refuse(
+                ErrorCode.PRIORITY_NOT_ALLOWED,
+                f"team {job.team} may use priority classes up to {team.max_priority}, "
+                f"not {priority}; resubmit with {team.max_priority} or lower",
+            )
+        models = sorted({group.model for group in groups})
+        most = team.largest_max(models)
+        if models and job.gpus.count > most:
+            return refuse(
+                ErrorCode.OVER_QUOTA,
+                f"asks {job.gpus.count} GPUs, but team {job.team} may hold at most {most} of "
+                f"{' or '.join(models)} (its max, borrowing included)",
+            )
+        return None
+
+    def held_for_approval(self, job: SubmitJob) -> bool:
+        """Above the team's max priority class, where its policy holds rather than rejects."""
+        if self.quotas is None:
+            return False
+        team = self.quotas.team(job.team)
+        priority = PriorityClass(job.priority_class.value)
+        return team is not None and not team.allows(priority)
+
     def models_to_try(self, job: SubmitJob) -> tuple[str | None, ...]:
         """Placement candidates by model: the asked one, else the smallest GPUs that fit."""
         if job.gpus.model is not None:
             return (job.gpus.model,)
-        if job.gpus.memory_gib is None:
+        if job.gpus.memory_gib is None and self.quotas is None:
             return (None,)
         fitting = {
             group.model: group.memory_mib for group in self._fitting(JobKind(job.kind.value), job)

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
+    ApproveJob,
+    ApproveReply,
     CheckpointInfo,
     EvictionAborted,
     EvictionCancelled,
@@ -32,15 +34,19 @@ from gpusched.contracts.messages import (
     SubmitJob,
     SubmitReply,
     T,
+    WhyJob,
+    WhyReply,
     WorkloadStopped,
 )
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, Pool
+from gpusched.domain.quota import usage_of
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
 
 from . import lending, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
+from .explain import fair_order, find
 from .keeper import LedgerKeeper
 from .queue import EvictionOutcome, JobState, new_job_id
 
@@ -116,15 +122,26 @@ class Admission:
                 return SubmitReply(ok=True, job_id=known)
             job_id = new_job_id()
             warnings = submission_warnings(job)
-            if not await store.insert_job(uow, job_id, job, warnings, utcnow()):
+            held = self._catalog.held_for_approval(job)
+            if held:
+                warnings.append(
+                    f"held for approval: {job.priority_class} is above team {job.team}'s max "
+                    "priority class; an operator runs `gpusched approve <job>`"
+                )
+            state = JobState.HELD if held else JobState.QUEUED
+            if not await store.insert_job(uow, job_id, job, warnings, utcnow(), state):
                 # A concurrent submit with the same key committed first: answer with its job.
                 assert key is not None
                 known = await store.job_id_for_key(uow, job.team, key)
                 return SubmitReply(ok=True, job_id=known)
             await uow.audit(
-                "job.submitted",
+                "job.held" if held else "job.submitted",
                 entity=job_id,
-                reason=f"queued: {job.priority_class} {job.kind} job of team {job.team}",
+                reason=(
+                    f"held for approval: {job.priority_class} is above team {job.team}'s max"
+                    if held
+                    else f"queued: {job.priority_class} {job.kind} job of team {job.team}"
+                ),
                 details={
                     "name": job.name,
                     "team": job.team,
@@ -181,6 +198,80 @@ class Admission:
                 warnings=list(job.warnings),
             ),
         )
+
+    async def approve(self, raw: bytes) -> ApproveReply:
+        """An operator lets a held job into the queue (audited with who and why)."""
+        try:
+            request = ApproveJob.model_validate_json(raw)
+        except ValidationError as exc:
+            return ApproveReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        async with self._uow() as uow:
+            # Under the ledger lock, so an approval and a scheduling pass never interleave.
+            await self._keeper.read(uow)
+            job = await store.job(uow, request.job_id)
+            if job is None:
+                return ApproveReply(
+                    ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            if job.state is not JobState.HELD:
+                return ApproveReply(
+                    ok=False,
+                    error=refuse(
+                        ErrorCode.NOT_HELD,
+                        f"job {job.job_id} is {job.state}, not held for approval",
+                    ),
+                )
+            await store.set_job_state(uow, job.job_id, JobState.QUEUED, utcnow())
+            await uow.audit(
+                "job.approved",
+                entity=job.job_id,
+                reason=f"{request.operator} approved {job.priority_class} for team "
+                f"{job.spec.team}" + (f": {request.reason}" if request.reason else ""),
+                details={"operator": request.operator, "reason": request.reason},
+            )
+            await uow.commit()
+        self._kick()
+        return ApproveReply(ok=True)
+
+    async def why(self, raw: bytes) -> WhyReply:
+        """Why a job is where it is, in the scheduler's own terms."""
+        try:
+            request = WhyJob.model_validate_json(raw)
+        except ValidationError as exc:
+            return WhyReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        async with self._uow() as uow:
+            job = await store.job(uow, request.job_id)
+            if job is None:
+                return WhyReply(
+                    ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            if job.state is not JobState.QUEUED:
+                return WhyReply(
+                    ok=True, job_id=job.job_id, state=job.state, reasons=_not_waiting(job)
+                )
+            ledger = await self._keeper.read(uow)
+            queued = await store.queued_jobs(uow)
+        usage = usage_of(ledger.allocations.values())
+        ahead = []
+        for other in fair_order(queued, ledger, usage):
+            if other.job_id == job.job_id:
+                break
+            ahead.append(other)
+        reasons = list(find(ledger, self._catalog, job, usage).reasons)
+        if not reasons:
+            reasons.append("it fits now: the next scheduling pass places it")
+        if ahead:
+            names = ", ".join(
+                f"{other.job_id} ({other.priority_class}, team {other.spec.team}, "
+                f"{other.spec.gpus.count} GPUs)"
+                for other in ahead[:5]
+            )
+            more = f" and {len(ahead) - 5} more" if len(ahead) > 5 else ""
+            reasons.append(
+                f"queue: behind {len(ahead)} job(s) tried first (priority class, then fair "
+                f"share across teams, then submission order): {names}{more}"
+            )
+        return WhyReply(ok=True, job_id=job.job_id, state=job.state, reasons=reasons)
 
     # --- ledger commands from preemption ------------------------------------------------
 
@@ -549,6 +640,20 @@ async def _audit_repeat(
         details={"type": envelope.type, "decision_id": decision_id},
         causation_id=envelope.id,
     )
+
+
+def _not_waiting(job: store.JobRecord) -> list[str]:
+    if job.state is JobState.HELD:
+        return [
+            f"held for approval: {job.priority_class} is above team {job.spec.team}'s max "
+            "priority class; an operator runs `gpusched approve "
+            f"{job.job_id}` (or resubmit with a lower class)"
+        ]
+    if job.state is JobState.RUNNING:
+        return [f"not waiting: running as allocation {job.allocation_id}"]
+    if job.state is JobState.PREEMPTED:
+        return ["evicted: requeued once its eviction saga reports the checkpoint to resume from"]
+    return [f"not waiting: the job is {job.state}"]
 
 
 def _checkpoint_id(checkpoint: CheckpointInfo | None) -> str | None:

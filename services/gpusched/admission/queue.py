@@ -9,6 +9,8 @@ from gpusched.domain.ledger import PriorityClass
 
 
 class JobState(StrEnum):
+    # Above its team's max priority class: waits for an operator's approval.
+    HELD = "held"
     QUEUED = "queued"
     RUNNING = "running"
     # Evicted by a saga whose outcome (the checkpoint to resume from) has not arrived.

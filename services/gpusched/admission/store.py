@@ -110,10 +110,21 @@ async def has_inventory(uow: UnitOfWork) -> bool:
 async def save_inventory(uow: UnitOfWork, inventory: Inventory) -> None:
     await _execute_many(
         uow,
-        f"INSERT INTO {_t(uow, 'nodes')} (name, pool, cpu_milli, memory_mib) "
-        "VALUES (:name, :pool, :cpu_milli, :memory_mib)",
+        f"INSERT INTO {_t(uow, 'nodes')} (name, pool, cpu_milli, memory_mib, gpu_groups) "
+        "VALUES (:name, :pool, :cpu_milli, :memory_mib, CAST(:groups AS jsonb))",
         [
-            {"name": n.name, "pool": n.pool, "cpu_milli": n.cpu_milli, "memory_mib": n.memory_mib}
+            {
+                "name": n.name,
+                "pool": n.pool,
+                "cpu_milli": n.cpu_milli,
+                "memory_mib": n.memory_mib,
+                "groups": json.dumps(
+                    {
+                        "nvlink_islands": [list(g) for g in n.nvlink_islands],
+                        "numa": [list(g) for g in n.numa],
+                    }
+                ),
+            }
             for n in inventory.nodes
         ],
     )
@@ -159,7 +170,8 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     """The inventory and the live ledger, rebuilt from the stored rows."""
     nodes = (
         await uow.execute(
-            f"SELECT name, pool, cpu_milli, memory_mib FROM {_t(uow, 'nodes')} ORDER BY name"
+            f"SELECT name, pool, cpu_milli, memory_mib, gpu_groups FROM {_t(uow, 'nodes')} "
+            "ORDER BY name"
         )
     ).all()
     gpus = (
@@ -177,7 +189,15 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
             reservations[spec.ref] = row.reservation_id
     inventory = Inventory(
         tuple(
-            NodeSpec(n.name, Pool(n.pool), tuple(specs.get(n.name, ())), n.cpu_milli, n.memory_mib)
+            NodeSpec(
+                n.name,
+                Pool(n.pool),
+                tuple(specs.get(n.name, ())),
+                n.cpu_milli,
+                n.memory_mib,
+                _groups(n.gpu_groups, "nvlink_islands"),
+                _groups(n.gpu_groups, "numa"),
+            )
             for n in nodes
         )
     )
@@ -189,6 +209,10 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     ).all()
     allocations = [_allocation(row) for row in live]
     return inventory, Ledger.restore(inventory, allocations, reservations)
+
+
+def _groups(stored: Mapping[str, Any], field: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(group) for group in stored.get(field, ()))
 
 
 # --- jobs -------------------------------------------------------------------------------
@@ -223,9 +247,15 @@ async def job_id_for_key(uow: UnitOfWork, team: str, key: str) -> str | None:
 
 
 async def insert_job(
-    uow: UnitOfWork, job_id: str, spec: SubmitJob, warnings: Sequence[str], now: datetime
+    uow: UnitOfWork,
+    job_id: str,
+    spec: SubmitJob,
+    warnings: Sequence[str],
+    now: datetime,
+    state: JobState = JobState.QUEUED,
 ) -> bool:
-    """Store a QUEUED job; False if the team already used its idempotency key."""
+    """Store a new job (QUEUED, or HELD for approval); False if the team already used
+    its idempotency key."""
     result = await uow.execute(
         f"INSERT INTO {_t(uow, 'jobs')} (job_id, name, team, kind, priority_class, spec, state, "
         "idempotency_key, submitted_at, updated_at, warnings, trace) VALUES (:job_id, :name, "
@@ -240,7 +270,7 @@ async def insert_job(
             "kind": spec.kind,
             "priority_class": spec.priority_class,
             "spec": spec.model_dump_json(),
-            "state": JobState.QUEUED,
+            "state": state,
             "key": spec.idempotency_key,
             "now": now,
             "warnings": json.dumps(list(warnings)),
@@ -345,15 +375,16 @@ def _allocation(row: Any) -> Allocation:
         granted_at=row.granted_at,
         model=row.model,
         pool=Pool(row.pool),
+        borrowed=row.borrowed,
     )
 
 
 async def insert_allocation(uow: UnitOfWork, allocation: Allocation, attempt: int) -> None:
     await uow.execute(
         f"INSERT INTO {_t(uow, 'allocations')} (allocation_id, job_id, team, kind, "
-        "priority_class, model, pool, gpus, attempt, granted_at) VALUES (:allocation_id, "
-        ":job_id, :team, :kind, :priority_class, :model, :pool, CAST(:gpus AS jsonb), "
-        ":attempt, :granted_at)",
+        "priority_class, model, pool, gpus, attempt, granted_at, borrowed) VALUES "
+        "(:allocation_id, :job_id, :team, :kind, :priority_class, :model, :pool, "
+        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed)",
         {
             "allocation_id": allocation.allocation_id,
             "job_id": allocation.job_id,
@@ -365,6 +396,7 @@ async def insert_allocation(uow: UnitOfWork, allocation: Allocation, attempt: in
             "gpus": json.dumps([{"node": r.node, "index": r.index} for r in allocation.gpus]),
             "attempt": attempt,
             "granted_at": allocation.granted_at,
+            "borrowed": allocation.borrowed,
         },
     )
 

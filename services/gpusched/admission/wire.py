@@ -39,6 +39,7 @@ def allocation_granted(
         workload=job.spec.workload,
         cpu_cores=cpu_cores,
         memory_gb=memory_gb,
+        borrowed=granted.borrowed,
     )
 
 

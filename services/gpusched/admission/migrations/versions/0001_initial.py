@@ -23,7 +23,9 @@ def upgrade() -> None:
             name       text PRIMARY KEY,
             pool       text NOT NULL,
             cpu_milli  bigint NOT NULL,
-            memory_mib bigint NOT NULL
+            memory_mib bigint NOT NULL,
+            -- GPU index groups: nvlink_islands and numa, each a list of lists
+            gpu_groups jsonb NOT NULL DEFAULT '{{}}'
         )
         """
     )
@@ -89,7 +91,9 @@ def upgrade() -> None:
             -- The eviction saga's outcome (completed/forced) for this allocation, which
             -- may arrive before or after the workload stopped.
             eviction_outcome text,
-            eviction_saga_id text
+            eviction_saga_id text,
+            -- Granted beyond the team's guaranteed quota: preemption reclaims it first.
+            borrowed         boolean NOT NULL DEFAULT false
         )
         """
     )

@@ -1,0 +1,136 @@
+"""Finding a queued job its GPUs under quota, and saying in words why it waits.
+
+The scheduling pass and `gpusched why <job>` use the same function, so the words an
+engineer reads are the reasons the scheduler acted on. Pure: ledger, catalog and usage
+in, a placement or reasons out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpusched.domain.ledger import Ledger, Placement, PlacementRequest, default_pools
+from gpusched.domain.quota import dominant_shares
+
+from .catalog import Catalog
+from .queue import placement_rank
+from .store import JobRecord
+
+Usage = dict[tuple[str, str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    placement: Placement | None
+    borrowed: bool = False
+    reasons: tuple[str, ...] = field(default=())
+
+
+def find(
+    ledger: Ledger,
+    catalog: Catalog,
+    job: JobRecord,
+    usage: Mapping[tuple[str, str], int],
+    *,
+    count: int | None = None,
+    held: frozenset[str] = frozenset(),
+) -> Attempt:
+    """GPUs for ``job`` that its team's quota allows, or the reasons there are none.
+
+    ``count`` overrides the asked number (a long-waiting job offered fewer); ``held``
+    nodes are reserved for another job and not used.
+    """
+    reasons: list[str] = []
+    count = count or job.spec.gpus.count
+    for model in catalog.models_to_try(job.spec):
+        request = PlacementRequest(job.job_id, job.kind, count, model, exclude_nodes=held)
+        placement = ledger.place(request)
+        if placement is None:
+            reasons.append(_no_room(ledger, request))
+            continue
+        if catalog.quotas is None:
+            return Attempt(placement)
+        decision = catalog.quotas.decide(job.spec.team, placement.model, count, usage)
+        if decision.allowed:
+            return Attempt(placement, borrowed=decision.borrowed)
+        reasons.append(
+            f"quota: team {job.spec.team} holds {decision.used} {placement.model} GPUs; "
+            f"{count} more would pass its max of {decision.quota.max} "
+            f"(guaranteed {decision.quota.guaranteed}); it waits until the team frees some"
+        )
+    if not reasons:
+        reasons.append("no GPU model in the inventory fits the request")
+    return Attempt(None, reasons=tuple(reasons))
+
+
+def _no_room(ledger: Ledger, request: PlacementRequest) -> str:
+    model = request.model or "any model"
+    free_by_node: dict[str, int] = {}
+    for pool in request.pools or default_pools(request.kind):
+        for ref in ledger.free_gpus(pool):
+            if request.model is None or ledger.gpu(ref).model == request.model:
+                free_by_node[ref.node] = free_by_node.get(ref.node, 0) + 1
+    total = sum(free_by_node.values())
+    largest = max(free_by_node.values(), default=0)
+    pools = "/".join(request.pools or default_pools(request.kind))
+    if total < request.gpus:
+        return (
+            f"capacity: {request.gpus} x {model} wanted, {total} free in the {pools} pools; "
+            "it waits for running jobs to end or for GPUs to come back from inference"
+        )
+    return (
+        f"fragmentation: {total} x {model} are free in the {pools} pools, but split so "
+        f"that no gang of {request.gpus} can be formed (largest on one node: {largest}; "
+        "a gang never mixes pools, models, or own and lent GPUs)"
+    )
+
+
+def reservation_target(
+    ledger: Ledger, catalog: Catalog, job: JobRecord, held: frozenset[str]
+) -> str | None:
+    """The node a starving gang should collect freeing GPUs on: the one of its models and
+    pools with the most free GPUs already (the shortest wait to complete the gang)."""
+    best: tuple[int, str] | None = None
+    wanted = set(catalog.models_to_try(job.spec))
+    for pool in default_pools(job.kind):
+        counts: dict[str, int] = {}
+        for ref in ledger.free_gpus(pool):
+            model = ledger.gpu(ref).model
+            if ref.node not in held and (None in wanted or model in wanted):
+                counts[ref.node] = counts.get(ref.node, 0) + 1
+        for node, free in counts.items():
+            if best is None or (free, node) > (best[0], best[1]):
+                best = (free, node)
+    return None if best is None else best[1]
+
+
+def fair_order(jobs: Sequence[JobRecord], ledger: Ledger, usage: Usage) -> Iterator[JobRecord]:
+    """Queued jobs by priority class, then DRF across teams, then first in first out.
+
+    Lazily: between two jobs the caller may add a placement to ``usage``, and the next
+    pick sees the team's new dominant share.
+    """
+    capacity: dict[str, int] = {}
+    for slot in ledger.gpus:
+        capacity[slot.model] = capacity.get(slot.model, 0) + 1
+    by_rank: dict[int, dict[str, deque[JobRecord]]] = {}
+    for job in sorted(jobs, key=lambda job: (job.submitted_at, job.job_id)):
+        teams = by_rank.setdefault(placement_rank(job.priority_class), {})
+        teams.setdefault(job.spec.team, deque()).append(job)
+    for rank in sorted(by_rank):
+        teams = by_rank[rank]
+        while teams:
+            shares = dominant_shares(usage, capacity)
+            team = min(
+                teams,
+                key=lambda name: (
+                    shares.get(name, 0.0),
+                    teams[name][0].submitted_at,
+                    teams[name][0].job_id,
+                ),
+            )
+            yield teams[team].popleft()
+            if not teams[team]:
+                del teams[team]
