@@ -286,9 +286,11 @@ async def test_the_inventory_is_loaded_and_announced_on_first_start(
 ) -> None:
     [loaded] = await client.events(client.s.event(ADMISSION, T.INVENTORY_LOADED), 1)
     assert loaded.data["nodes"] == [
-        {"name": "inf-00", "pool": "inference", "gpu_model": "A100-80GB", "gpus": 2},
-        {"name": "shared-00", "pool": "shared", "gpu_model": "A100-80GB", "gpus": 4},
-    ]
+        {"name": "inf-00", "pool": "inference", "gpu_model": "A100-80GB", "gpus": 2,
+         "gpu_groups": []},
+        {"name": "shared-00", "pool": "shared", "gpu_model": "A100-80GB", "gpus": 4,
+         "gpu_groups": []},
+    ]  # fmt: skip
     assert shared(await admission.capacity()) == (0, 0, 4)
 
 

@@ -23,6 +23,8 @@ from gpusched.contracts.messages import (
     EvictionRequested,
     GpuRef,
     GpusReserved,
+    InventoryLoaded,
+    InventoryNode,
     JobKind,
     PoolSnapshot,
     PoolState,
@@ -373,6 +375,48 @@ async def test_borrowed_capacity_is_reclaimed_before_guaranteed_capacity_of_its_
     [expand] = await audits(preemption, "preempt.expand", 1)
     [chosen] = expand["details"]["candidates"]["ranked"]
     assert "(borrowed)" in chosen["reason"]
+
+
+async def test_on_equal_lost_work_the_victim_that_frees_a_whole_nvlink_island_goes(
+    preemption: ServiceRuntime,
+) -> None:
+    # Two nodes of two 4-GPU NVLink islands each, as admission's inventory states them.
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    nodes = [
+        InventoryNode(name=n, pool="shared", gpu_model="A100-80GB", gpus=8, gpu_groups=groups)
+        for n in ("n1", "n2")
+    ]
+    await event(preemption, "admission", T.INVENTORY_LOADED, InventoryLoaded(nodes=nodes))
+    await wait_for(preemption, "SELECT count(*) FROM {s}.gpu_islands", 16)
+    granted_at = utcnow() - timedelta(hours=1)
+
+    async def on(
+        allocation_id: str, priority: PriorityClassName, node: str, gpus: list[int]
+    ) -> None:
+        granted = AllocationGranted(
+            allocation_id=allocation_id, job_id=f"job-{allocation_id}", team="research",
+            kind=JobKind.TRAINING, priority_class=priority, pool="shared",
+            gpus=[GpuRef(node=node, index=i, model="A100-80GB") for i in gpus],
+            granted_at=granted_at, attempt=1, checkpointable=True,
+        )  # fmt: skip
+        await event(preemption, "admission", T.ALLOCATION_GRANTED, granted)
+
+    # "split" straddles both islands of n1; "z-island" holds all of n2's island 0. Same
+    # class, size and lost work: only the islands tell them apart (the id order would
+    # pick "split").
+    await on("split", P2, "n1", [2, 3, 4, 5])
+    await on("z-island", P2, "n2", [0, 1, 2, 3])
+    for name, node, index in (("a", "n1", 0), ("b", "n1", 7), ("c", "n2", 5)):
+        await on(name, P0, node, [index])
+    await allocations_known(preemption, 5)
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=11))
+
+    [request] = await evictions(preemption, 1)
+    assert request.allocation_id == "z-island"
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    [chosen] = expand["details"]["candidates"]["ranked"]
+    assert "frees whole NVLink islands" in chosen["reason"]
 
 
 async def test_the_same_snapshot_delivered_twice_makes_one_decision(

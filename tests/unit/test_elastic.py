@@ -352,6 +352,31 @@ def test_on_equal_lost_work_the_victim_that_frees_a_whole_node_goes_first() -> N
     assert "frees whole nodes" in dict(choice.reasons)["alone"]
 
 
+def test_on_equal_lost_work_the_victim_that_frees_a_whole_nvlink_island_goes_first() -> None:
+    # Two 8-GPU nodes, each with two 4-GPU islands; no candidate has a node to itself.
+    # "split" straddles both islands of n1 with a neighbour in each; "z-island" holds all
+    # of n2's island 0, sharing the node (not the island) with a neighbour.
+    split = replace(
+        candidate("split", gpus=4),
+        gpu_refs=(GpuRef("n1", 2), GpuRef("n1", 3), GpuRef("n1", 4), GpuRef("n1", 5)),
+    )
+    island = replace(
+        candidate("z-island", gpus=4), gpu_refs=tuple(GpuRef("n2", i) for i in range(4))
+    )
+    neighbours = [
+        replace(candidate(name, PriorityClass.P0_URGENT, gpus=1), gpu_refs=(ref,))
+        for name, ref in (("a", GpuRef("n1", 0)), ("b", GpuRef("n1", 7)), ("c", GpuRef("n2", 5)))
+    ]
+    island_of = {GpuRef(node, i): f"{node}/{i // 4}" for node in ("n1", "n2") for i in range(8)}
+    everyone = [split, island, *neighbours]
+
+    # Without the island map the two tie and the allocation id decides.
+    assert choose_victims(everyone, need=4, now=NOW).allocation_ids == ("split",)
+    choice = choose_victims(everyone, need=4, now=NOW, island_of=island_of)
+    assert choice.allocation_ids == ("z-island",)
+    assert "frees whole NVLink islands" in dict(choice.reasons)["z-island"]
+
+
 def test_a_run_inside_its_min_runtime_is_never_chosen() -> None:
     young = candidate("young", PriorityClass.P2_OFFLINE, started_minutes_ago=29)
     old = candidate("old", PriorityClass.P1_NORMAL, started_minutes_ago=31)

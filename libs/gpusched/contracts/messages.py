@@ -332,6 +332,8 @@ class InventoryNode(Wire):
     pool: str
     gpu_model: str
     gpus: int
+    # GPU indices per NVLink island (else NUMA node); empty: the node is one island.
+    gpu_groups: list[list[int]] = Field(default_factory=list)
 
 
 class InventoryLoaded(Wire):

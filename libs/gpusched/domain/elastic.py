@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
@@ -338,14 +338,17 @@ def choose_victims(
     min_runtime_s: float = 0.0,
     max_victims: int | None = None,
     within_tier: VictimOrder = least_lost_work_first,
+    island_of: Mapping[GpuRef, str] | None = None,
 ) -> VictimChoice:
     """Pick shared-pool training allocations to evict until ``need`` GPUs are freed.
 
     Never p0-urgent, inference or a run younger than ``min_runtime_s``. Order: p2-offline
     before p1-normal; within a tier borrowed before guaranteed, then ``within_tier``
-    (least lost work), then one that frees whole nodes, then the larger (fewer
-    evictions). A candidate is one allocation, and an allocation holds a whole gang, so
-    a gang is evicted whole or not at all. Stops as soon as ``freed >= need``, so it
+    (least lost work), then one that frees whole nodes, then one that frees whole NVLink
+    islands (``island_of`` names each GPU's island; GPUs it does not name are an
+    island with the rest of their node), then the larger (fewer evictions). A
+    candidate is one allocation, and an allocation holds a whole gang, so a gang is
+    evicted whole or not at all. Stops as soon as ``freed >= need``, so it
     frees at most one victim's worth more than ``need``. At most ``max_victims`` are
     chosen (the eviction rate limit): what eligible victims could still free is
     ``deferred``; what none can free is ``shortfall``.
@@ -389,10 +392,26 @@ def choose_victims(
     for candidate in eligible:
         if _holds_its_nodes_alone(candidate, holders):
             whole.add(candidate.allocation_id)
+    islands: set[str] = set()
+    if island_of:
+        island_holders: dict[str, int] = {}
+        for candidate in pool:
+            for key in _islands(candidate, island_of):
+                island_holders[key] = island_holders.get(key, 0) + 1
+        for candidate in eligible:
+            if candidate.allocation_id not in whole and all(
+                island_holders[key] == 1 for key in _islands(candidate, island_of)
+            ):
+                islands.add(candidate.allocation_id)
     # The ranking, least significant key first (stable sorts on scalar keys allocate no
-    # key tuples): larger first, then whole nodes first, then within_tier, then
-    # borrowed before guaranteed, then the priority tier.
-    eligible.sort(key=lambda c: (c.allocation_id not in whole) * _MANY_GPUS - c.gpus)
+    # key tuples): larger first, then whole nodes, then whole islands, then within_tier,
+    # then borrowed before guaranteed, then the priority tier.
+    eligible.sort(
+        key=lambda c: (
+            (0 if c.allocation_id in whole else 1 if c.allocation_id in islands else 2) * _MANY_GPUS
+            - c.gpus
+        )
+    )
     if within_tier is least_lost_work_first:
         eligible.sort(key=lambda c: c.lost_work_at(now_ts))
     else:
@@ -424,7 +443,17 @@ def choose_victims(
         ranked.append(
             VictimReason(
                 candidate.allocation_id,
-                _chosen(candidate, now, freed, need, candidate.allocation_id in whole),
+                _chosen(
+                    candidate,
+                    now,
+                    freed,
+                    need,
+                    ", frees whole nodes"
+                    if candidate.allocation_id in whole
+                    else ", frees whole NVLink islands"
+                    if candidate.allocation_id in islands
+                    else "",
+                ),
             )
         )
     return VictimChoice(
@@ -441,7 +470,7 @@ def choose_victims(
 
 
 def _chosen(
-    candidate: VictimCandidate, now: datetime, freed: int, need: int, whole_nodes: bool
+    candidate: VictimCandidate, now: datetime, freed: int, need: int, frees_whole: str
 ) -> str:
     lost = candidate.lost_work_gpu_seconds(now)
     since = (
@@ -450,10 +479,9 @@ def _chosen(
         else ("start of run")
     )
     quota = "borrowed" if candidate.borrowed else "guaranteed"
-    nodes = ", frees whole nodes" if whole_nodes else ""
     return (
         f"chosen: {candidate.priority_class} ({quota}), {lost:.0f} GPU-seconds since {since} "
-        f"at risk{nodes}, frees {candidate.gpus} GPUs ({freed} of {need})"
+        f"at risk{frees_whole}, frees {candidate.gpus} GPUs ({freed} of {need})"
     )
 
 
@@ -462,6 +490,10 @@ _MANY_GPUS = 1 << 20  # more GPUs than any allocation holds: packs two sort keys
 
 def _allocation_id(candidate: VictimCandidate) -> str:
     return candidate.allocation_id
+
+
+def _islands(candidate: VictimCandidate, island_of: Mapping[GpuRef, str]) -> set[str]:
+    return {island_of.get(ref) or f"{ref.node}/*" for ref in candidate.gpu_refs}
 
 
 def _holds_its_nodes_alone(candidate: VictimCandidate, holders: dict[str, int]) -> bool:

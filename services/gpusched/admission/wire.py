@@ -78,6 +78,7 @@ def inventory_loaded(inventory: Inventory) -> m.InventoryLoaded:
                 # A node's GPUs share a model in every inventory format we read.
                 gpu_model=node.gpus[0].model,
                 gpus=len(node.gpus),
+                gpu_groups=[list(group) for group in node.gpu_groups],
             )
             for node in inventory.nodes
         ]

@@ -36,6 +36,7 @@ from gpusched.contracts.messages import (
     EvictionWithdrawn,
     GpusReserved,
     GpusReturned,
+    InventoryLoaded,
     PoolSnapshot,
     PriorityClassName,
     ReserveForInference,
@@ -62,6 +63,11 @@ SHORTFALL_GPUS = Gauge(
 # --- projections of admission's ledger ---------------------------------------------------
 async def on_allocation_granted(envelope: Envelope, uow: UnitOfWork) -> None:
     await store.add_allocation(uow, envelope.payload(AllocationGranted))
+
+
+async def on_inventory_loaded(envelope: Envelope, uow: UnitOfWork) -> None:
+    inventory = envelope.payload(InventoryLoaded)
+    await store.replace_islands(uow, ((n.name, n.gpu_groups) for n in inventory.nodes))
 
 
 async def on_allocation_released(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -151,6 +157,7 @@ class Controller:
             candidates=await store.candidates(uow) if wants_candidates else (),
             withdrawable=await store.withdrawable_evictions(uow) if in_flight else (),
             recent_evictions=await self._recent_evictions(uow, now),
+            islands=await store.islands(uow) if wants_candidates else None,
         )
         outcome = policy.decide(reading, timers.held, view, self._limits, now)
         # The snapshot that completed the window is the decision's cause.
@@ -307,6 +314,7 @@ class Controller:
             await store.tried_allocations(uow, row.decision_id),
             self._limits,
             await self._recent_evictions(uow, now),
+            island_of=await store.islands(uow),
         )
         reason = (
             f"eviction {row.request_id} of allocation {row.allocation_id} aborted "

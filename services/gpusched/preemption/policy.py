@@ -9,7 +9,7 @@ stale or incomplete readings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -22,6 +22,7 @@ from gpusched.domain.elastic import (
     decide_expand,
     decide_shrink,
 )
+from gpusched.domain.inventory import GpuRef
 from gpusched.preemption.signals import (
     HeldSignals,
     PoolFigures,
@@ -87,6 +88,8 @@ class ControllerView:
     withdrawable: tuple[str, ...] = ()
     # Eviction requests made in the last EVICTION_RATE_WINDOW_S.
     recent_evictions: int = 0
+    # NVLink island of each GPU (from the inventory), to prefer freeing whole islands.
+    islands: Mapping[GpuRef, str] | None = None
 
     @property
     def lent_gpus(self) -> int:
@@ -224,6 +227,7 @@ def _expand(
         now,
         min_runtime_s=limits.min_runtime_s,
         max_victims=allowance,
+        island_of=view.islands,
     )
     if choice.deferred:
         reason += f"; {choice.deferred} GPUs wait for the eviction rate limit"
@@ -293,6 +297,7 @@ def replacement(
     exclude: Iterable[str],
     limits: ControllerLimits,
     recent_evictions: int = 0,
+    island_of: Mapping[GpuRef, str] | None = None,
 ) -> VictimChoice:
     """Victims for GPUs an aborted eviction did not free, never one tried already, under
     the same min runtime and eviction rate limit as the first choice."""
@@ -306,6 +311,7 @@ def replacement(
         now,
         min_runtime_s=limits.min_runtime_s,
         max_victims=allowance,
+        island_of=island_of,
     )
 
 

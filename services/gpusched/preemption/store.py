@@ -384,3 +384,21 @@ async def mark_withdrawn(uow: UnitOfWork, request_ids: Sequence[str], at: dateti
         f"UPDATE {uow.schema}.evictions SET withdrawn_at = :t WHERE request_id = ANY(:r)",
         {"t": at, "r": list(request_ids)},
     )
+
+
+async def replace_islands(uow: UnitOfWork, nodes: Iterable[tuple[str, list[list[int]]]]) -> None:
+    """The islands of the listed nodes, as admission's inventory states them."""
+    for node, groups in nodes:
+        await uow.execute(f"DELETE FROM {uow.schema}.gpu_islands WHERE node = :n", {"n": node})
+        for number, group in enumerate(groups):
+            for index in group:
+                await uow.execute(
+                    f"INSERT INTO {uow.schema}.gpu_islands (node, gpu_index, island) "
+                    "VALUES (:n, :i, :island)",
+                    {"n": node, "i": index, "island": f"{node}/{number}"},
+                )
+
+
+async def islands(uow: UnitOfWork) -> dict[GpuRef, str]:
+    rows = await uow.execute(f"SELECT node, gpu_index, island FROM {uow.schema}.gpu_islands")
+    return {GpuRef(r.node, r.gpu_index): r.island for r in rows}

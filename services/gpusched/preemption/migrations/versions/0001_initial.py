@@ -34,6 +34,18 @@ def upgrade() -> None:
         """
     )
     op.execute(f"CREATE INDEX allocations_job ON {schema}.allocations (job_id)")
+    # Projection of admission's inventory: the NVLink island (or NUMA node) of each GPU,
+    # so a victim that frees a whole island can be preferred.
+    op.execute(
+        f"""
+        CREATE TABLE {schema}.gpu_islands (
+            node      text NOT NULL,
+            gpu_index integer NOT NULL,
+            island    text NOT NULL,
+            PRIMARY KEY (node, gpu_index)
+        )
+        """
+    )
     # Projection of admission's reservations: shared GPUs lent to inference.
     op.execute(
         f"""
