@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -40,18 +41,25 @@ class InventoryUnavailable(RuntimeError):
     """The GPU inventory file is missing or invalid; the service cannot start."""
 
 
-def read_inventory(path: Path) -> Inventory:
+def _read_mapping(path: Path, what: str, setting: str, holds: str) -> Mapping[str, Any]:
+    """A YAML file that must hold a mapping; every failure names the file and the fix."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise InventoryUnavailable(
-            f"admission: cannot read the GPU inventory {path} ({exc.strerror}); set "
-            "GPUSCHED_ADMISSION__INVENTORY_PATH"
+            f"admission: cannot read the {what} {path} ({exc.strerror}); set {setting}"
         ) from exc
     except yaml.YAMLError as exc:
         raise InventoryUnavailable(f"admission: {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):
-        raise InventoryUnavailable(f"admission: {path} must hold a mapping with a 'nodes' list")
+        raise InventoryUnavailable(f"admission: {path} must hold a mapping with {holds}")
+    return data
+
+
+def read_inventory(path: Path) -> Inventory:
+    data = _read_mapping(
+        path, "GPU inventory", "GPUSCHED_ADMISSION__INVENTORY_PATH", "a 'nodes' list"
+    )
     try:
         return parse_inventory(data)
     except InventoryError as exc:
@@ -62,17 +70,12 @@ def read_quotas(path: Path | None) -> QuotaBook | None:
     """The teams' quotas and priority limits, or None when no file is configured."""
     if path is None:
         return None
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InventoryUnavailable(
-            f"admission: cannot read the quotas {path} ({exc.strerror}); set "
-            "GPUSCHED_ADMISSION__QUOTAS_PATH or unset it to run without quotas"
-        ) from exc
-    except yaml.YAMLError as exc:
-        raise InventoryUnavailable(f"admission: {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, Mapping):
-        raise InventoryUnavailable(f"admission: {path} must hold a mapping with 'teams'")
+    data = _read_mapping(
+        path,
+        "quotas",
+        "GPUSCHED_ADMISSION__QUOTAS_PATH or unset it to run without quotas",
+        "'teams'",
+    )
     try:
         return parse_quotas(data)
     except QuotaError as exc:
