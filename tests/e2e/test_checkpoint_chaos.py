@@ -56,7 +56,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
-from tests.support.waiting import eventually, stream_messages
+from tests.support.waiting import eventually, stream_messages_after
 
 GRACE_S = 2.0
 SAGAS_PER_RUN = 6
@@ -129,13 +129,14 @@ class Chaos:
         env = make_envelope(message_type, data, source="chaos", correlation_id=correlation_id)
         await self.js.publish(subject, env.to_bytes(), headers={"Nats-Msg-Id": env.id})
 
-    async def stored(self, subject: str) -> list[Envelope]:
+    async def marks(self) -> dict[str, int]:
+        """Each stream's last sequence now: a run is judged on what came after its mark."""
+        return {info.config.name: info.state.last_seq for info in await self.js.streams_info()}
+
+    async def stored(self, subject: str, marks: dict[str, int]) -> list[Envelope]:
         stream = await self.js.find_stream_name_by_subject(subject)
-        info = await self.js.stream_info(stream, subjects_filter=subject)
-        count = sum((info.state.subjects or {}).values())
-        if count == 0:
-            return []
-        return [Envelope.from_bytes(m.data) for m in await stream_messages(self.js, subject, count)]
+        msgs = await stream_messages_after(self.js, subject, marks.get(stream, 0))
+        return [Envelope.from_bytes(m.data) for m in msgs]
 
     def kill_service(self) -> None:
         assert self.stack.supervisor is not None
@@ -350,6 +351,7 @@ async def saga_of(c: Chaos, job_id: str) -> dict[str, Any] | None:
 async def chaos_run(c: Chaos, seed: int) -> list[str]:
     """One randomized run; the invariant violations it found."""
     rng = random.Random(seed)
+    marks = await c.marks()
     victims = [new_victim(rng) for _ in range(SAGAS_PER_RUN)]
     agent_down = [(a, a + rng.uniform(0.5, 2.0)) for a in [rng.uniform(0, RUN_SPAN_S)]]
     agent = asyncio.create_task(
@@ -378,16 +380,20 @@ async def chaos_run(c: Chaos, seed: int) -> list[str]:
         for task in jobs:
             task.cancel()
         await asyncio.gather(agent, *jobs, return_exceptions=True)
-    return await judge_run(c, victims, sagas, seed)
+    return await judge_run(c, victims, sagas, seed, marks)
 
 
 async def judge_run(
-    c: Chaos, victims: list[Victim], sagas: dict[str, dict[str, Any]], seed: int
+    c: Chaos,
+    victims: list[Victim],
+    sagas: dict[str, dict[str, Any]],
+    seed: int,
+    marks: dict[str, int],
 ) -> list[str]:
     violations: list[str] = []
-    evicts = await c.stored(c.s.command("agent", T.EVICT_WORKLOAD))
-    outcomes = await c.stored(c.s.event("checkpoint", ">"))
-    forced_audits = await c.stored(c.s.audit("eviction.forced"))
+    evicts = await c.stored(c.s.command("agent", T.EVICT_WORKLOAD), marks)
+    outcomes = await c.stored(c.s.event("checkpoint", ">"), marks)
+    forced_audits = await c.stored(c.s.audit("eviction.forced"), marks)
     now = datetime.now(UTC)
     for v in victims:
         where = f"seed {seed}, job {v.job_id} ({v.priority_class.value}, {v.behaviour.value})"
@@ -431,6 +437,8 @@ async def test_two_hundred_chaos_runs_find_no_violation(chaos: Chaos) -> None:
     violations: list[str] = []
     for seed in range(200):
         violations += await chaos_run(chaos, 1000 + seed)
+        if (seed + 1) % 20 == 0:
+            print(f"chaos: {seed + 1}/200 runs, {len(violations)} violations so far", flush=True)
     print(f"chaos: 200 runs, {len(violations)} violations")
     for line in violations:
         print(line)

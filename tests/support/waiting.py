@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 V = TypeVar("V")
 
@@ -37,6 +37,32 @@ async def stream_messages(
     try:
         while len(got) < expect:
             got.append(await sub.next_msg(timeout=within))
+    finally:
+        await sub.unsubscribe()
+    return got
+
+
+async def stream_messages_after(
+    js: JetStreamContext, subject: str, after_seq: int = 0, batch: int = 256
+) -> list[Msg]:
+    """Every message stored on `subject` with a stream sequence above `after_seq`.
+
+    An ephemeral pull consumer knows how many messages are pending when it is created,
+    so the read ends when that many have arrived: no per-message timeout to guess, and
+    a long stream is read only from the caller's mark on.
+    """
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=after_seq + 1,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=5.0,  # the server drops the consumer soon after the read
+    )
+    sub = await js.pull_subscribe(subject, config=config)
+    got: list[Msg] = []
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        while len(got) < pending:
+            got += await sub.fetch(min(batch, pending - len(got)), timeout=10.0)
     finally:
         await sub.unsubscribe()
     return got

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,10 @@ Handler = Callable[[Envelope, UnitOfWork], Awaitable[None]]
 # work, no inbox; it must be idempotent by itself.
 EdgeHandler = Callable[[Envelope], Awaitable[None]]
 RequestHandler = Callable[[bytes], Awaitable[BaseModel]]
+# The partition key of a message: messages with the same key are applied in order.
+KeyOf = Callable[[Envelope], str | None]
+# Requests one endpoint handles at once (see serve_requests).
+REQUEST_CONCURRENCY = 64
 
 
 async def connect(url: str, name: str) -> NatsClient:
@@ -73,12 +78,23 @@ async def ensure_streams(
                 await js.add_stream(config)
 
 
+def by_correlation(envelope: Envelope) -> str | None:
+    """A partition key for consumers whose unit of order is the saga or job that the
+    envelope's correlation id names."""
+    return envelope.correlation_id
+
+
 @dataclass
 class Consumer:
-    """A durable pull consumer feeding typed handlers, one message at a time.
+    """A durable pull consumer feeding typed handlers.
 
-    Messages of one consumer are applied in order; a service scales by running
-    replicas on the same durable (they share the work).
+    Without a `key`, messages are applied one at a time in stream order. A consumer
+    whose handlers only need the order of messages that share a key (a saga, a job, an
+    allocation) says so with `key`: messages with the same key are then still applied
+    one at a time in stream order, while messages with different keys are applied at
+    the same time, up to `concurrency` (None: the `bus.consumer_concurrency` setting).
+    Messages whose key is None share one key. A service scales by running replicas on
+    the same durable (they share the work, with no order between them).
     """
 
     durable: str
@@ -86,6 +102,8 @@ class Consumer:
     subjects: Sequence[str]
     handlers: Mapping[str, Handler] = field(default_factory=dict)
     edge_handlers: Mapping[str, EdgeHandler] = field(default_factory=dict)
+    key: KeyOf | None = None
+    concurrency: int | None = None
 
 
 class DeadLetters:
@@ -123,6 +141,15 @@ class DeadLetters:
 
 
 class ConsumerRunner:
+    """Fetches a consumer's messages and applies them, `concurrency` at a time.
+
+    Fetched messages go to one lane per key; a lane applies its messages one after
+    another, so a key's messages keep their stream order while different keys overlap
+    their database round trips. Fetching continues while lanes work, as long as fewer
+    than `max(fetch_batch, concurrency)` fetched messages wait: a bound that keeps every
+    fetched message far inside its ack wait.
+    """
+
     def __init__(
         self,
         js: JetStreamContext,
@@ -135,6 +162,7 @@ class ConsumerRunner:
         ack_wait_s: float,
         fetch_batch: int,
         nak_delay_s: float,
+        concurrency: int = 1,
     ) -> None:
         self._js = js
         self._c = consumer
@@ -145,7 +173,20 @@ class ConsumerRunner:
         self._ack_wait = ack_wait_s
         self._batch = fetch_batch
         self._nak_delay = nak_delay_s
+        # Without a key nothing says which messages may overlap: one at a time.
+        if consumer.key is None:
+            self._concurrency = 1
+        elif consumer.concurrency is not None:
+            self._concurrency = consumer.concurrency
+        else:
+            self._concurrency = concurrency
+        if self._concurrency < 1:
+            raise ValueError(f"consumer {consumer.durable}: concurrency must be at least 1")
         self._stopping = False
+
+    @property
+    def concurrency(self) -> int:
+        return self._concurrency
 
     async def run(self) -> None:
         config = ConsumerConfig(
@@ -159,24 +200,55 @@ class ConsumerRunner:
             filter_subjects=list(self._c.subjects),
         )
         sub = await self._subscribe(config)
-        while not self._stopping:
-            try:
-                msgs = await sub.fetch(self._batch, timeout=1.0)
-            except (NatsTimeout, TimeoutError):
-                # An idle fetch: nothing to do in the last second.
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                if self._stopping:
-                    break
-                log.exception("fetch failed on %s; retrying", self._c.durable)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self.process(msg)
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        lanes = _Lanes(self.process, self._concurrency)
+        capacity = max(self._batch, self._concurrency)
+        try:
+            while not self._stopping:
+                lanes.raise_failure()
+                room = capacity - lanes.waiting
+                if room <= 0:
+                    await lanes.room()
+                    continue
+                try:
+                    msgs = await sub.fetch(min(self._batch, room), timeout=1.0)
+                except (NatsTimeout, TimeoutError):
+                    # An idle fetch: nothing to do in the last second.
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    if self._stopping:
+                        break
+                    log.exception("fetch failed on %s; retrying", self._c.durable)
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    key, envelope = self._partition(msg)
+                    lanes.add(key, msg, envelope)
+            # Stopping: every fetched message is applied (and acked) or nak'ed by its
+            # lane before the subscription goes, so none waits out its ack wait.
+            await lanes.drain()
+            lanes.raise_failure()
+        finally:
+            lanes.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _partition(self, msg: Msg) -> tuple[str, Envelope | None]:
+        """The lane of a message, and its envelope if it parses (a malformed one goes to
+        the shared lane and is dead-lettered there)."""
+        if self._concurrency == 1 or self._c.key is None:
+            return _ONE_LANE, None
+        try:
+            envelope = Envelope.from_bytes(msg.data)
+        except MalformedMessage:
+            return _ONE_LANE, None
+        try:
+            key = self._c.key(envelope)
+        except Exception:
+            # A payload the key function cannot read: the handler will say why.
+            key = None
+        return (_ONE_LANE if key is None else f"k:{key}"), envelope
 
     async def _subscribe(self, config: ConsumerConfig) -> JetStreamContext.PullSubscription:
         try:
@@ -190,13 +262,13 @@ class ConsumerRunner:
     def stop(self) -> None:
         self._stopping = True
 
-    async def process(self, msg: Msg) -> None:
+    async def process(self, msg: Msg, parsed: Envelope | None = None) -> None:
         started = time.perf_counter()
         consumer = self._c.durable
         message_type = "unknown"
         outcome = "applied"
         try:
-            envelope = Envelope.from_bytes(msg.data)
+            envelope = parsed if parsed is not None else Envelope.from_bytes(msg.data)
             message_type = envelope.type
             handler = self._c.handlers.get(envelope.type)
             edge_handler = self._c.edge_handlers.get(envelope.type)
@@ -252,6 +324,78 @@ class ConsumerRunner:
             )
 
 
+# The lane of messages without a key (and of every message at concurrency 1).
+_ONE_LANE = "-"
+
+_ApplyMessage = Callable[[Msg, Envelope | None], Awaitable[None]]
+
+
+class _Lanes:
+    """One FIFO lane per key, each drained by its own task; at most `concurrency`
+    messages are being applied at once."""
+
+    def __init__(self, apply: _ApplyMessage, concurrency: int) -> None:
+        self._apply = apply
+        self._slots = asyncio.Semaphore(concurrency)
+        self._queues: dict[str, deque[tuple[Msg, Envelope | None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self._failure: BaseException | None = None
+        self.waiting = 0  # fetched messages not yet applied
+
+    def add(self, key: str, msg: Msg, envelope: Envelope | None) -> None:
+        self.waiting += 1
+        queue = self._queues.get(key)
+        if queue is not None:
+            # The key's lane is busy: it takes this message after the ones before it.
+            queue.append((msg, envelope))
+            return
+        self._queues[key] = deque([(msg, envelope)])
+        task = asyncio.create_task(self._drain_lane(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain_lane(self, key: str) -> None:
+        queue = self._queues[key]
+        try:
+            while queue:
+                msg, envelope = queue[0]
+                async with self._slots:
+                    await self._apply(msg, envelope)
+                queue.popleft()
+                self.waiting -= 1
+                self._room.set()
+        except Exception as exc:
+            # Only the ack/nak/dead letter itself can fail here (the connection is
+            # gone): the runner stops and the service fails loudly, as one message at
+            # a time did; unacked messages are redelivered.
+            if self._failure is None:
+                self._failure = exc
+            self.waiting -= len(queue)
+            self._room.set()
+        finally:
+            # No await since the lane found its queue empty: a message added for this
+            # key from now on starts a new lane.
+            del self._queues[key]
+
+    async def room(self) -> None:
+        """Wait until a lane finished a message (or failed)."""
+        self._room.clear()
+        await self._room.wait()
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
 async def serve_requests(
     nc: NatsClient,
     subject: str,
@@ -259,27 +403,52 @@ async def serve_requests(
     *,
     service: str,
     queue: str,
+    concurrency: int = REQUEST_CONCURRENCY,
 ) -> Subscription:
     """Request/reply endpoint in a queue group (replicas share the load).
 
     The handler returns the reply model; it must turn bad input into an error reply
     itself. An unexpected exception still gets a reply ({ok: false, internal}).
+
+    Up to ``concurrency`` requests are handled at once (nats-py would run them one at a
+    time), so a handler may group concurrent requests into one transaction. Each reply
+    still leaves only after its own handler returned. When no request is waiting, the
+    callback waits for those in hand: a draining subscription (shutdown) therefore
+    answers every request it took before the connection closes.
     """
+    slots = asyncio.Semaphore(concurrency)
+    in_hand: set[asyncio.Task[None]] = set()
+
+    async def handle(msg: Msg) -> None:
+        outcome = "ok"
+        try:
+            with tracing.continued(f"{service} {subject}", msg.headers):
+                try:
+                    reply = await handler(msg.data)
+                    body = reply.model_dump_json().encode()
+                except Exception as exc:
+                    outcome = "internal_error"
+                    log.exception("request handler failed on %s", subject)
+                    body = json.dumps(
+                        {"ok": False, "error": {"code": "internal", "message": str(exc)[:500]}}
+                    ).encode()
+                if msg.reply:
+                    await msg.respond(body)
+        except Exception:
+            # Only the reply itself failed (the connection is closing): the client's
+            # request times out and it retries; nothing else depends on this task.
+            log.exception("could not answer a request on %s", subject)
+        finally:
+            slots.release()
+            metrics.API_REQUESTS.labels(service, subject, outcome).inc()
 
     async def on_request(msg: Msg) -> None:
-        outcome = "ok"
-        with tracing.continued(f"{service} {subject}", msg.headers):
-            try:
-                reply = await handler(msg.data)
-                body = reply.model_dump_json().encode()
-            except Exception as exc:
-                outcome = "internal_error"
-                log.exception("request handler failed on %s", subject)
-                body = json.dumps(
-                    {"ok": False, "error": {"code": "internal", "message": str(exc)[:500]}}
-                ).encode()
-            if msg.reply:
-                await msg.respond(body)
-        metrics.API_REQUESTS.labels(service, subject, outcome).inc()
+        await slots.acquire()
+        task = asyncio.create_task(handle(msg))
+        in_hand.add(task)
+        task.add_done_callback(in_hand.discard)
+        if sub.pending_msgs == 0 and in_hand:
+            await asyncio.wait(set(in_hand))
 
-    return await nc.subscribe(subject, queue=queue, cb=on_request)
+    sub = await nc.subscribe(subject, queue=queue, cb=on_request)
+    return sub

@@ -7,13 +7,18 @@ commit together or not at all (STYLE 3, 4).
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
 from pydantic import BaseModel
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
+from sqlalchemy import event as sa_event
+from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
@@ -21,9 +26,43 @@ from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import Subjects, check_token
 from gpusched.infra import tracing
 
+# A pooled connection idle for longer than this is pinged before use (it may have died
+# with a PostgreSQL restart). One in steady use is not: SQLAlchemy's own pre-ping costs
+# three round trips (BEGIN, a query, ROLLBACK) on every checkout, more than a short
+# transaction's statements. If the server restarted within this window, the first
+# statement fails instead, SQLAlchemy invalidates the pool, and the caller's retry
+# (a consumer's nak, the next tick) gets a fresh connection.
+IDLE_PING_S = 5.0
+_IDLE_SINCE = "gpusched_idle_since"  # key in a pooled connection's info
+
 
 def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
-    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+    sa_event.listen(engine.sync_engine, "checkin", _note_idle)
+    sa_event.listen(engine.sync_engine, "checkout", _ping_if_idle)
+    return engine
+
+
+def _note_idle(dbapi_connection: Any, record: Any) -> None:
+    record.info[_IDLE_SINCE] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    idle_since = record.info.get(_IDLE_SINCE)
+    if idle_since is None or time.monotonic() - idle_since < IDLE_PING_S:
+        return
+    try:
+        dbapi_connection.ping()
+    except Exception as exc:
+        # As pre-ping does: the server went away, so every pooled connection is stale.
+        raise InvalidatePoolError(f"idle connection failed its ping: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=2048)
+def _text(sql: str) -> TextClause:
+    # A service runs the same few hundred statements over and over; building the
+    # clause parses its bind parameters with a regex each time. Clauses are immutable.
+    return text(sql)
 
 
 def asyncpg_dsn(url: str) -> str:
@@ -35,6 +74,18 @@ def notify_channel(schema: str) -> str:
     return f"{schema}_outbox"
 
 
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One event for ``UnitOfWork.emit_many``: the arguments of ``emit``."""
+
+    subject: str
+    message_type: str
+    data: BaseModel
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    trace_headers: Mapping[str, str] | None = None
+
+
 class UnitOfWork:
     """One transaction in `schema`. Rolls back unless `commit()` was called."""
 
@@ -44,7 +95,9 @@ class UnitOfWork:
         self.subjects = subjects
         self._engine = engine
         self._conn: AsyncConnection | None = None
-        self._emitted = 0
+        # Outbox rows wait here and are written at commit in one statement with the
+        # NOTIFY: a round trip per transaction instead of one per event (plus one).
+        self._outbox: list[dict[str, Any]] = []
         self._committed = False
         self.emitted: list[Envelope] = []
 
@@ -74,15 +127,34 @@ class UnitOfWork:
         return self._conn
 
     async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> Any:
-        return await self.conn.execute(text(sql), dict(params or {}))
+        return await self.conn.execute(_text(sql), dict(params or {}))
 
     async def commit(self) -> None:
-        if self._emitted:
-            # NOTIFY is delivered at commit, and only if it commits: the relay wakes
-            # exactly when there is something durable to publish.
-            await self.execute("SELECT pg_notify(:ch, '')", {"ch": notify_channel(self.schema)})
+        if self._outbox:
+            await self._write_outbox()
         await self.conn.commit()
         self._committed = True
+
+    async def _write_outbox(self) -> None:
+        rows, self._outbox = self._outbox, []
+        # WITH ORDINALITY ... ORDER BY: the rows take their seq in emit order, which is
+        # the order the relay publishes them in. NOTIFY is delivered at commit, and only
+        # if it commits: the relay wakes exactly when there is something durable to
+        # publish. (A data-modifying WITH runs whether or not the SELECT reads it.)
+        await self.execute(
+            f"WITH written AS (INSERT INTO {self.schema}.outbox (id, subject, payload, headers) "
+            "SELECT r.id, r.subject, r.payload, CAST(r.headers AS jsonb) FROM unnest("
+            "CAST(:ids AS text[]), CAST(:subjects AS text[]), CAST(:payloads AS bytea[]), "
+            "CAST(:headers AS text[])) WITH ORDINALITY AS r(id, subject, payload, headers, n) "
+            "ORDER BY r.n RETURNING 1) SELECT pg_notify(:ch, '')",
+            {
+                "ids": [row["id"] for row in rows],
+                "subjects": [row["subject"] for row in rows],
+                "payloads": [row["payload"] for row in rows],
+                "headers": [row["headers"] for row in rows],
+                "ch": notify_channel(self.schema),
+            },
+        )
 
     # --- inbox ----------------------------------------------------------------------------
     async def claim(self, message_id: str, consumer: str) -> bool:
@@ -109,27 +181,73 @@ class UnitOfWork:
         causation_id: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> Envelope:
-        envelope = make_envelope(
-            message_type,
-            data,
-            source=self.source,
-            correlation_id=correlation_id,
-            causation_id=causation_id,
+        return self._stage(
+            Outgoing(subject, message_type, data, correlation_id, causation_id, trace_headers),
+            tracing.inject,
         )
-        headers = dict(trace_headers) if trace_headers is not None else tracing.inject()
-        await self.execute(
-            f"INSERT INTO {self.schema}.outbox (id, subject, payload, headers) "
-            "VALUES (:id, :subject, :payload, CAST(:headers AS jsonb))",
+
+    async def emit_many(self, events: Sequence[Outgoing]) -> list[Envelope]:
+        """``emit`` for many events (a batch of decisions); written at commit with the
+        rows of ``emit``, in one order."""
+        current: dict[str, str] | None = None
+
+        def current_context() -> dict[str, str]:
+            # One span is current for the whole batch: inject it once.
+            nonlocal current
+            if current is None:
+                current = tracing.inject()
+            return current
+
+        return [self._stage(event, current_context) for event in events]
+
+    def _stage(self, event: Outgoing, current_context: Callable[[], dict[str, str]]) -> Envelope:
+        envelope = make_envelope(
+            event.message_type,
+            event.data,
+            source=self.source,
+            correlation_id=event.correlation_id,
+            causation_id=event.causation_id,
+        )
+        headers = current_context() if event.trace_headers is None else dict(event.trace_headers)
+        self._outbox.append(
             {
                 "id": envelope.id,
-                "subject": subject,
+                "subject": event.subject,
                 "payload": envelope.to_bytes(),
                 "headers": json.dumps(headers),
-            },
+            }
         )
-        self._emitted += 1
         self.emitted.append(envelope)
         return envelope
+
+    def audit_event(
+        self,
+        action: str,
+        entity: str,
+        reason: str,
+        details: Mapping[str, Any] | None = None,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> Outgoing:
+        """The audit record ``audit`` would emit, for ``emit_many``."""
+        record = AuditRecord(
+            action=action,
+            actor=self.source,
+            entity=entity,
+            reason=reason,
+            details=dict(details or {}),
+            time=utcnow(),
+        )
+        return Outgoing(
+            self.subjects.audit(action),
+            T.AUDIT,
+            record,
+            correlation_id=correlation_id or entity,
+            causation_id=causation_id,
+            trace_headers=trace_headers,
+        )
 
     async def audit(
         self,

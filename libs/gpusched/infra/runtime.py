@@ -2,13 +2,14 @@
 
 A service's app module (its composition root) builds its handlers and registers
 them here; nothing connects at import time (STYLE 8). Shutdown is graceful: stop
-fetching, finish the message in hand, drain the outbox once more, close (STYLE 9).
+fetching, finish the messages in hand, drain the outbox once more, close (STYLE 9).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -71,7 +72,9 @@ class ServiceRuntime:
         await bus.ensure_streams(
             self.js, self.subjects.streams(), replicas=self.settings.bus.stream_replicas
         )
-        self.engine = create_engine(db_url, pool_size=self.settings.db_pool_size)
+        # A keyed consumer holds up to `consumer_concurrency` connections at once.
+        pool_size = max(self.settings.db_pool_size, self.settings.bus.consumer_concurrency)
+        self.engine = create_engine(db_url, pool_size=pool_size)
         if self.migrations is not None:
             await migrate(self.engine, self.schema, self.migrations)
             self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
@@ -99,6 +102,7 @@ class ServiceRuntime:
                 ack_wait_s=b.ack_wait_s,
                 fetch_batch=b.fetch_batch,
                 nak_delay_s=b.nak_delay_s,
+                concurrency=b.consumer_concurrency,
             )
         )
 
@@ -169,7 +173,7 @@ class ServiceRuntime:
                 log.exception("%s: a shutdown step failed", self.name)
         if self._relay is not None:
             self._relay.stop()
-        # Consumers finish the message in hand; the relay drains what is committed.
+        # Consumers finish the messages they fetched; the relay drains what is committed.
         _, pending = await asyncio.wait(self._tasks, timeout=5) if self._tasks else (set(), set())
         for task in pending:
             task.cancel()
@@ -195,6 +199,13 @@ def run_service(
     async def main() -> None:
         await runtime.start()
         await build(runtime)
+        # Everything built so far (modules, the ORM's caches, schemas, the handlers)
+        # lives as long as the process: keep it out of the collector's generations, so a
+        # full collection scans only what messages create, not the whole heap (such a
+        # scan stalled every message in flight for about 70 ms, every 20 s or so under
+        # load).
+        gc.collect()
+        gc.freeze()
         await runtime.run()
 
     asyncio.run(main())

@@ -6,6 +6,7 @@ Defaults are the field numbers of DESIGN §7.
 
 from __future__ import annotations
 
+from datetime import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -22,6 +23,14 @@ class BusSettings(Section):
     ack_wait_s: float = Field(default=30.0, gt=0)
     fetch_batch: int = Field(default=64, ge=1)
     nak_delay_s: float = Field(default=0.5, ge=0)
+    consumer_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "messages a keyed consumer applies at once (one at a time per key); a "
+            "consumer without a key applies one at a time"
+        ),
+    )
     stream_replicas: int = Field(
         default=1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)"
     )
@@ -43,6 +52,18 @@ class AdmissionSettings(Section):
     # Waiting longer: offered fewer GPUs if it allows (min_count), else its reservation
     # lapses so it cannot hold the cluster hostage (DESIGN §7).
     starve_after_s: float = Field(default=1800.0, ge=0)
+    # GPU sharing (docs/admission-operator.md): how far fractional tenants' memory caps
+    # may exceed a GPU's memory, and how often one GPU's MIG layout may change (a change
+    # resets the GPU).
+    overcommit_inference: float = Field(default=1.2, ge=1.0)
+    overcommit_training: float = Field(default=1.0, ge=1.0)
+    mig_change_interval_s: float = Field(default=3600.0, ge=0)
+    # Time-of-day MIG modes (UTC): by day empty MIG GPUs get many small slices for
+    # inference, by night they go back to whole GPUs for training. Off by default.
+    mig_modes: bool = False
+    mig_day_start: time = time(8, 0)
+    mig_day_end: time = time(20, 0)
+    mig_reconcile_interval_s: float = Field(default=60.0, gt=0)
 
 
 class IngestSettings(Section):

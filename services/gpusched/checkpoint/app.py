@@ -7,6 +7,7 @@ from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies
 from gpusched.checkpoint.queries import Queries
 from gpusched.checkpoint.storage import FileStorage, TrustingStorage
+from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
@@ -17,6 +18,29 @@ NAME = "checkpoint"
 SCHEMA = "checkpoint"
 SWEEP_BATCH = 100
 SWEEP_BATCHES_PER_TICK = 10
+
+
+# Partition keys: each consumer applies the messages of one key in stream order and
+# different keys at once. The unit of order is what the handlers lock: a request's saga
+# (its eviction.requested before its eviction.withdrawn), a job's live sagas, an
+# allocation's live saga. Two requests for one allocation may then race: the partial
+# unique index lets exactly one of them open a saga.
+def by_request(envelope: Envelope) -> str | None:
+    return _field(envelope, "request_id")
+
+
+def by_job(envelope: Envelope) -> str | None:
+    # The handlers name the job by the correlation id, else by the payload's job_id.
+    return envelope.correlation_id or _field(envelope, "job_id")
+
+
+def by_allocation(envelope: Envelope) -> str | None:
+    return _field(envelope, "allocation_id")
+
+
+def _field(envelope: Envelope, name: str) -> str | None:
+    value = envelope.data.get(name)
+    return value if isinstance(value, str) else None
 
 
 async def build(rt: ServiceRuntime) -> None:
@@ -36,6 +60,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.EVICTION_REQUESTED: handlers.on_eviction_requested,
                 T.EVICTION_WITHDRAWN: handlers.on_eviction_withdrawn,
             },
+            key=by_request,
         )
     )
     rt.consume(
@@ -49,6 +74,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.JOB_COMPLETED: handlers.on_job_completed,
                 T.JOB_FAILED: handlers.on_job_failed,
             },
+            key=by_job,
         )
     )
     rt.consume(
@@ -60,6 +86,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.WORKLOAD_STOPPED: handlers.on_workload_stopped,
                 T.EVICT_FAILED: handlers.on_evict_failed,
             },
+            key=by_allocation,
         )
     )
     queries = Queries(rt.uow)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from gpusched.domain.saga import TERMINAL_STATES, CheckpointRef, Saga, SagaState, Stage
 from gpusched.infra import tracing
@@ -26,27 +27,46 @@ class CatalogueEntry:
     confirmed_at: datetime
 
 
-def _saga(row: Any) -> Saga:
-    return Saga.from_dict(json.loads(row.data))
+# The trace of each saga a unit of work read or inserted: the saga's messages carry it,
+# and it never changes after the insert, so the SELECT that locks the saga brings it
+# along instead of a query of its own per step.
+_TRACES: WeakKeyDictionary[UnitOfWork, dict[str, dict[str, str]]] = WeakKeyDictionary()
 
 
-def _sagas(rows: Any) -> list[Saga]:
-    return [_saga(row) for row in rows]
+def _remember_trace(uow: UnitOfWork, saga_id: str, trace: dict[str, str]) -> None:
+    _TRACES.setdefault(uow, {})[saga_id] = trace
+
+
+def _saga(uow: UnitOfWork, row: Any) -> Saga:
+    saga = Saga.from_dict(json.loads(row.data))
+    _remember_trace(uow, saga.saga_id, json.loads(row.trace) if row.trace else {})
+    return saga
+
+
+def _sagas(uow: UnitOfWork, rows: Any) -> list[Saga]:
+    return [_saga(uow, row) for row in rows]
 
 
 async def insert_saga(uow: UnitOfWork, saga: Saga) -> bool:
     """False if the request is known already or the allocation has a live saga."""
+    trace = tracing.inject()
     result = await uow.execute(
         f"INSERT INTO {uow.schema}.sagas (saga_id, request_id, allocation_id, job_id, state, "
         "deadline, data, created_at, updated_at, trace) VALUES (:saga_id, :request_id, "
         ":allocation_id, :job_id, :state, :deadline, CAST(:data AS jsonb), :created_at, "
         ":updated_at, CAST(:trace AS jsonb)) ON CONFLICT DO NOTHING RETURNING saga_id",
-        {**_columns(saga), "trace": json.dumps(tracing.inject())},
+        {**_columns(saga), "trace": json.dumps(trace)},
     )
-    return result.first() is not None
+    if result.first() is None:
+        return False
+    _remember_trace(uow, saga.saga_id, trace)
+    return True
 
 
 async def saga_trace(uow: UnitOfWork, saga_id: str) -> dict[str, str] | None:
+    known = _TRACES.get(uow, {}).get(saga_id)
+    if known is not None:
+        return dict(known) if known else None
     row = (
         await uow.execute(
             f"SELECT trace FROM {uow.schema}.sagas WHERE saga_id = :id", {"id": saga_id}
@@ -77,7 +97,7 @@ def _columns(saga: Saga) -> dict[str, object]:
     }
 
 
-_SELECT = "SELECT data::text AS data FROM {schema}.sagas "
+_SELECT = "SELECT data::text AS data, trace::text AS trace FROM {schema}.sagas "
 
 
 async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
@@ -85,7 +105,7 @@ async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
         _SELECT.format(schema=uow.schema) + "WHERE saga_id = :id FOR UPDATE", {"id": saga_id}
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def lock_by_request(uow: UnitOfWork, request_id: str) -> Saga | None:
@@ -93,7 +113,7 @@ async def lock_by_request(uow: UnitOfWork, request_id: str) -> Saga | None:
         _SELECT.format(schema=uow.schema) + "WHERE request_id = :r FOR UPDATE", {"r": request_id}
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def find_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
@@ -102,7 +122,7 @@ async def find_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga |
         {"a": allocation_id, "terminal": _TERMINAL},
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def lock_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
@@ -112,7 +132,7 @@ async def lock_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga |
         {"a": allocation_id, "terminal": _TERMINAL},
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def lock_live_by_job(
@@ -128,7 +148,7 @@ async def lock_live_by_job(
         "ORDER BY saga_id FOR UPDATE",
         {"j": job_id, "terminal": _TERMINAL, "r": request_id},
     )
-    return _sagas(result)
+    return _sagas(uow, result)
 
 
 async def lock_due(uow: UnitOfWork, now: datetime, limit: int) -> list[Saga]:
@@ -140,7 +160,7 @@ async def lock_due(uow: UnitOfWork, now: datetime, limit: int) -> list[Saga]:
         "LIMIT :limit FOR UPDATE SKIP LOCKED",
         {"state": SagaState.CHECKPOINTING.value, "now": now, "limit": limit},
     )
-    return _sagas(result)
+    return _sagas(uow, result)
 
 
 async def get_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
@@ -148,7 +168,7 @@ async def get_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
         _SELECT.format(schema=uow.schema) + "WHERE saga_id = :id", {"id": saga_id}
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def current_saga_of_job(uow: UnitOfWork, job_id: str) -> Saga | None:
@@ -159,7 +179,7 @@ async def current_saga_of_job(uow: UnitOfWork, job_id: str) -> Saga | None:
         {"j": job_id, "terminal": _TERMINAL},
     )
     row = result.first()
-    return None if row is None else _saga(row)
+    return None if row is None else _saga(uow, row)
 
 
 async def count_sagas(uow: UnitOfWork) -> int:
