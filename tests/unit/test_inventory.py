@@ -76,6 +76,12 @@ def test_the_demo_inventory_splits_64_a100s_into_24_inference_and_40_shared() ->
     assert {gpu.model for gpu in inventory.gpus} == {"A100-80GB"}
 
 
+def test_a_node_may_state_its_disk_and_without_it_the_disk_is_not_stated() -> None:
+    inventory = parse_inventory({"nodes": [node(disk_gib=7680), node(name="gpu-b")]})
+
+    assert [n.disk_gib for n in inventory.nodes] == [7680, 0]
+
+
 @pytest.mark.parametrize(
     ("entries", "message"),
     [
@@ -93,6 +99,7 @@ def test_the_demo_inventory_splits_64_a100s_into_24_inference_and_40_shared() ->
         ([node(name=None)], "missing field 'name'"),
         ([node(gpu_model="X9", gpu_memory_mib=None)], "missing field 'gpu_memory_mib'"),
         ([node(gpu_mem=1)], "unknown field(s) gpu_mem"),
+        ([node(disk_gib=-1)], "'disk_gib' must be positive, got -1"),
         ([node(count=2)], "use 'name_prefix' with 'count'"),
         ([node(name=None, name_prefix="p", count=0)], "'count' must be positive"),
     ],

@@ -9,6 +9,8 @@ gpusched submit ...         submit a training job
 gpusched get JOB_ID         a job's state, allocation and checkpoint
 gpusched why JOB_ID         why a job waits, in words
 gpusched approve JOB_ID     let a job held above its team's max priority class in
+gpusched node VERB ...      add|reload|drain|undrain|fail|recover|remove|list GPU nodes
+gpusched scale JOB_ID N     set an inference service's replica target
 gpusched bill [--team T]    billing statements per team
 gpusched audit [--follow]   the audit stream
 """
@@ -26,6 +28,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpusched.cli import nodes, replicas
 from gpusched.cli.client import ApiClient, ApiError
 from gpusched.cli.stack import SERVICES, Stack, prepare
 from gpusched.contracts.envelope import Envelope
@@ -77,11 +80,18 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--team", required=True)
     submit.add_argument("--gpus", type=int, required=True)
     submit.add_argument("--model")
+    submit.add_argument("--milli", type=int, help="a fraction of one GPU in 1/1000 (1..999)")
+    submit.add_argument(
+        "--memory-gib", type=float, help="memory per GPU (a fraction's cap; picks a MIG slice)"
+    )
     submit.add_argument(
         "--priority", default="p1-normal", choices=[c.value for c in PriorityClassName]
     )
     submit.add_argument("--kind", default="training", choices=[k.value for k in JobKind])
     submit.add_argument("--idempotency-key")
+    submit.add_argument(
+        "--replicas", type=replicas.parse_range, help="inference: N or MIN:MAX replicas"
+    )
     submit.set_defaults(run=_submit)
 
     get = sub.add_parser("get", help="show a job")
@@ -97,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     approve.add_argument("--operator", default=os.environ.get("USER") or "operator")
     approve.add_argument("--reason", default="")
     approve.set_defaults(run=_approve)
+
+    nodes.add_parsers(sub)
+    replicas.add_parsers(sub)
 
     bill = sub.add_parser("bill", help="billing statements per team")
     bill.add_argument("--team")
@@ -164,8 +177,11 @@ def _submit(args: argparse.Namespace) -> int:
         team=args.team,
         kind=JobKind(args.kind),
         priority_class=PriorityClassName(args.priority),
-        gpus=GpuRequest(count=args.gpus, model=args.model),
+        gpus=GpuRequest(
+            count=args.gpus, model=args.model, milli=args.milli, memory_gib=args.memory_gib
+        ),
         idempotency_key=args.idempotency_key,
+        replicas=args.replicas,
     )
 
     async def go() -> int:

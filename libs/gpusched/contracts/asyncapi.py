@@ -119,6 +119,10 @@ def build(prefix: str = "gpusched") -> AsyncAPI:
         broker, subjects.api_jobs_get, "jobs-get", m.GetJob, m.GetReply,
         "A job's state, allocation and checkpoint (request/reply).",
     )  # fmt: skip
+    _declare_request_reply(
+        broker, subjects.api_jobs_scale, "jobs-scale", m.ScaleJob, m.ScaleReply,
+        "Move an inference service's replica target inside its [min, max] (request/reply).",
+    )  # fmt: skip
     return AsyncAPI(
         broker,
         title="gpusched public contracts",

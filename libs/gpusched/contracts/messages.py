@@ -11,7 +11,7 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpusched.contracts.subjects import check_token
 
@@ -160,6 +160,20 @@ class WorkloadSpec(Wire):
     argv: list[str] = Field(default_factory=list)
 
 
+class Replicas(Wire):
+    """An inference service's replicas, each with the job's `gpus` shape: `min` are
+    placed together or not at all, more up to `max` as capacity allows."""
+
+    min: int = Field(default=1, ge=1, le=1024)
+    max: int = Field(default=1, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min ({self.min}) must not exceed replicas.max ({self.max})")
+        return self
+
+
 class SubmitJob(Wire):
     name: str = Field(min_length=1, max_length=200)
     team: str = Field(min_length=1, max_length=64)
@@ -171,6 +185,8 @@ class SubmitJob(Wire):
     estimated_checkpoint_s: float | None = Field(default=None, ge=0)
     idempotency_key: str | None = Field(default=None, max_length=200)
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    # Inference only; None: one replica, placed as the job's one allocation.
+    replicas: Replicas | None = None
 
     @field_validator("team")
     @classmethod
@@ -208,6 +224,22 @@ class CheckpointInfo(Wire):
     stage: StageName
 
 
+class ReservationView(Wire):
+    """Nodes held for a waiting gang: GPUs freeing there are kept for it."""
+
+    nodes: list[str]
+    since: datetime
+    reason: str
+
+
+class ReplicaView(Wire):
+    min: int
+    max: int
+    target: int
+    placed: int
+    allocation_ids: list[str] = Field(default_factory=list)
+
+
 class JobView(Wire):
     job_id: str
     name: str
@@ -223,11 +255,30 @@ class JobView(Wire):
     latest_checkpoint: CheckpointInfo | None = None
     submitted_at: datetime
     warnings: list[str] = Field(default_factory=list)
+    # The part of its GPU a fractional or MIG job holds.
+    share: GpuShare | None = None
+    # A starving gang's hold on nodes while it waits (docs/admission-user.md).
+    reservation: ReservationView | None = None
+    # An inference service's replicas; `allocated` then lists every live replica's GPUs.
+    replicas: ReplicaView | None = None
 
 
 class GetReply(Wire):
     ok: bool
     job: JobView | None = None
+    error: ApiError | None = None
+
+
+class ScaleJob(Wire):
+    """Move an inference service's replica target inside its [min, max]."""
+
+    job_id: str
+    replicas: int
+
+
+class ScaleReply(Wire):
+    ok: bool
+    replicas: ReplicaView | None = None
     error: ApiError | None = None
 
 
@@ -285,6 +336,17 @@ class PoolSnapshot(Wire):
 # ======================================================================================
 # Internal: admission (ledger owner) events
 # ======================================================================================
+class GpuShare(Wire):
+    """The part of its one GPU an allocation holds: a fraction (compute in 1/1000 and a
+    memory cap, enforced the way NVIDIA MPS does) or a MIG slice (its profile and its
+    position in the GPU's layout; `milli` is then the profile's compute slices / 7)."""
+
+    milli: int = Field(ge=1, le=1000)
+    memory_mib: int = Field(ge=1)
+    mig_profile: str | None = None
+    mig_slice: int | None = Field(default=None, ge=0)
+
+
 class AllocationGranted(Wire):
     allocation_id: str
     job_id: str
@@ -302,6 +364,8 @@ class AllocationGranted(Wire):
     memory_gb: Decimal = Decimal(0)
     # Granted beyond the team's guaranteed quota (borrowed idle GPUs): reclaimed first.
     borrowed: bool = False
+    # Part of its one GPU (fractional or MIG); None: every GPU in `gpus` is whole.
+    share: GpuShare | None = None
 
 
 class AllocationReleased(Wire):
@@ -338,6 +402,107 @@ class InventoryNode(Wire):
 
 class InventoryLoaded(Wire):
     nodes: list[InventoryNode]
+
+
+class NodeChange(StrEnum):
+    """What happened to one node. Counting consumers: ADDED and RECOVERED bring the
+    node's GPUs into its pool, FAILED and REMOVED take them out; DRAINED and UNDRAINED
+    change no count (a drained node's GPUs still run what they run)."""
+
+    ADDED = "added"
+    DRAINED = "drained"
+    UNDRAINED = "undrained"
+    FAILED = "failed"
+    RECOVERED = "recovered"
+    REMOVED = "removed"
+
+
+class NodeState(StrEnum):
+    UP = "up"
+    # No new placements; what runs there runs to its end.
+    DRAINED = "drained"
+    # Its GPUs are out of the placeable set and its allocations were ended.
+    FAILED = "failed"
+
+
+class InventoryChanged(Wire):
+    change: NodeChange
+    node: InventoryNode
+    state: NodeState | None  # None once removed
+    reason: str
+
+
+class NodeHealth(Wire):
+    """The cluster agent's word on a node: healthy or not (a real agent reads it from
+    the node's conditions; the simulated one is told by command)."""
+
+    node: str
+    healthy: bool
+    reason: str = ""
+    time: datetime
+
+
+# ======================================================================================
+# Operator: nodes API (request/reply) on <p>.api.nodes.<verb>
+# ======================================================================================
+class NodeVerb(StrEnum):
+    """The last token of each nodes API subject (`Subjects.api_nodes`)."""
+
+    ADD = "add"
+    RELOAD = "reload"
+    DRAIN = "drain"
+    UNDRAIN = "undrain"
+    FAIL = "fail"
+    RECOVER = "recover"
+    REMOVE = "remove"
+    LIST = "list"
+
+
+class NodeCommand(Wire):
+    """drain, undrain, fail, recover, remove: one node by name, who asks and why."""
+
+    node: str = Field(min_length=1, max_length=200)
+    operator: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
+
+
+class AddNode(Wire):
+    # One entry in the inventory YAML shape (name, pool, gpu_model, gpus, cpu_milli,
+    # memory_mib, ...); `count`/`name_prefix` entries add several nodes at once.
+    spec: dict[str, Any]
+    operator: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
+
+
+class ReloadInventory(Wire):
+    """Read the inventory file again and add the nodes it has that the ledger has not."""
+
+    operator: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
+
+
+class ListNodes(Wire):
+    pass
+
+
+class NodeView(Wire):
+    name: str
+    pool: str
+    gpu_model: str
+    gpus: int
+    state: NodeState
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    disk_gib: int = 0
+    allocations: list[str] = Field(default_factory=list)
+
+
+class NodeReply(Wire):
+    ok: bool
+    nodes: list[NodeView] = Field(default_factory=list)
+    # What a reload left alone, in words (nodes stored but no longer in the file).
+    notes: list[str] = Field(default_factory=list)
+    error: ApiError | None = None
 
 
 # ======================================================================================
@@ -422,6 +587,29 @@ class StartWorkload(Wire):
     gpus: list[GpuRef]
     workload: WorkloadSpec
     resume_from: CheckpointInfo | None = None
+    # Part of its one GPU: the agent caps the workload's memory and compute to it.
+    share: GpuShare | None = None
+
+
+class MigConfigure(Wire):
+    """Give one empty GPU a new MIG layout (empty `profiles`: MIG off, a whole GPU)."""
+
+    change_id: str
+    node: str
+    gpu: int = Field(ge=0)
+    model: str
+    profiles: list[str]
+    previous: list[str] = Field(default_factory=list)
+
+
+class MigConfigured(Wire):
+    """The agent applied a MIG layout change."""
+
+    change_id: str
+    node: str
+    gpu: int = Field(ge=0)
+    profiles: list[str]
+    applied_at: datetime
 
 
 class EvictWorkload(Wire):
@@ -497,6 +685,10 @@ class T(StrEnum):
     WORKLOAD_STARTED = "workload.started"
     WORKLOAD_STOPPED = "workload.stopped"
     EVICT_FAILED = "workload.evict_failed"
+    MIG_CONFIGURE = "mig.configure"
+    MIG_CONFIGURED = "mig.configured"
+    INVENTORY_CHANGED = "inventory.changed"
+    NODE_HEALTH = "node.health"
 
 
 SCHEMAS: dict[str, type[Wire]] = {
@@ -531,4 +723,8 @@ SCHEMAS: dict[str, type[Wire]] = {
     T.WORKLOAD_STARTED: WorkloadStarted,
     T.WORKLOAD_STOPPED: WorkloadStopped,
     T.EVICT_FAILED: EvictFailed,
+    T.MIG_CONFIGURE: MigConfigure,
+    T.MIG_CONFIGURED: MigConfigured,
+    T.INVENTORY_CHANGED: InventoryChanged,
+    T.NODE_HEALTH: NodeHealth,
 }

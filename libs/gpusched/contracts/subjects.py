@@ -86,6 +86,14 @@ class Subjects:
     def api_jobs_why(self) -> str:
         return f"{self.prefix}.api.jobs.why"
 
+    @property
+    def api_jobs_scale(self) -> str:
+        return f"{self.prefix}.api.jobs.scale"
+
+    def api_nodes(self, verb: str) -> str:
+        """The operator's node requests, e.g. `<p>.api.nodes.drain` (NodeVerb)."""
+        return f"{self.prefix}.api.nodes.{check_token(verb, 'node verb')}"
+
     # --- internal ---------------------------------------------------------------------
     def event(self, service: str, message_type: str) -> str:
         """A domain event a service announces, e.g. `<p>.evt.admission.allocation.granted`."""

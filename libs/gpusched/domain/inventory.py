@@ -86,6 +86,11 @@ class NodeSpec:
     # inside one group avoids PCIe/inter-socket hops on every collective.
     nvlink_islands: tuple[tuple[int, ...], ...] = ()
     numa: tuple[tuple[int, ...], ...] = ()
+    # MIG on or off for the node's GPUs; None: as the GPU model's MIG table says.
+    mig: bool | None = None
+    # Local disk for jobs' scratch data and checkpoints (0: not stated). Recorded and
+    # shown; placement does not hold disk per job.
+    disk_gib: int = 0
 
     def __post_init__(self) -> None:
         if not self.gpus:
@@ -150,7 +155,16 @@ def _gpus_of(node: str, count: int, model: str, memory_mib: int) -> tuple[GpuSpe
 _REQUIRED_FIELDS = ("pool", "gpu_model", "gpus", "cpu_milli", "memory_mib")
 _GROUP_FIELDS = ("nvlink_islands", "numa")
 _KNOWN_FIELDS = frozenset(
-    {"name", "name_prefix", "count", "gpu_memory_mib", *_GROUP_FIELDS, *_REQUIRED_FIELDS}
+    {
+        "name",
+        "name_prefix",
+        "count",
+        "gpu_memory_mib",
+        "mig",
+        "disk_gib",
+        *_GROUP_FIELDS,
+        *_REQUIRED_FIELDS,
+    }
 )
 
 
@@ -206,6 +220,10 @@ def _parse_entry(entry: Mapping[str, Any], where: str) -> list[NodeSpec]:
     cpu_milli = _positive_int(entry, "cpu_milli", where)
     memory_mib = _positive_int(entry, "memory_mib", where)
     islands, numa = (_gpu_groups(entry.get(field), field, where) for field in _GROUP_FIELDS)
+    mig = entry.get("mig")
+    if mig is not None and not isinstance(mig, bool):
+        raise InventoryError(f"{where}: 'mig' must be true or false, got {mig!r}")
+    disk_gib = _positive_int(entry, "disk_gib", where) if "disk_gib" in entry else 0
     try:
         return [
             NodeSpec(
@@ -216,6 +234,8 @@ def _parse_entry(entry: Mapping[str, Any], where: str) -> list[NodeSpec]:
                 memory_mib,
                 islands,
                 numa,
+                mig,
+                disk_gib,
             )
             for name in names
         ]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from gpusched.contracts.messages import GpuReading, GpuSample, InventoryNode
+from gpusched.contracts.messages import GpuReading, GpuSample, InventoryNode, NodeChange
 from gpusched.domain.inventory import DEFAULT_GPU_MEMORY_MIB, GPU_MEMORY_MIB, GpuRef, Pool
 from gpusched.simcluster.load import serving_util, training_util
 
@@ -45,6 +45,21 @@ class ClusterView:
 
     def apply_inventory(self, nodes: Iterable[InventoryNode]) -> None:
         self.nodes = {n.name: NodeInfo(n.name, n.pool, n.gpu_model, n.gpus) for n in nodes}
+
+    def apply_node_change(self, change: NodeChange, node: InventoryNode) -> None:
+        """A node that failed or was removed serves nothing and reports nothing; one
+        added or recovered is back, idle, in its pool."""
+        if change in (NodeChange.ADDED, NodeChange.RECOVERED):
+            self.nodes[node.name] = NodeInfo(node.name, node.pool, node.gpu_model, node.gpus)
+        elif change in (NodeChange.FAILED, NodeChange.REMOVED):
+            self.nodes.pop(node.name, None)
+            for group in (self._lent, self._pending):
+                for reservation_id, refs in list(group.items()):
+                    left = {ref for ref in refs if ref.node != node.name}
+                    if left:
+                        group[reservation_id] = left
+                    else:
+                        del group[reservation_id]
 
     def apply_reserved(
         self, reservation_id: str, gpus: Iterable[GpuRef], pending: Iterable[GpuRef]

@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
-from gpusched.contracts.messages import T
+from gpusched.contracts.messages import NodeVerb, T
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
+from gpusched.domain.sharing import ModeSchedule, Overcommit
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
@@ -28,6 +29,9 @@ from gpusched.infra.settings import Settings
 from .catalog import Catalog
 from .handlers import Admission, load_inventory_once
 from .keeper import LedgerKeeper
+from .mig import MigModes
+from .nodes import NodeOps
+from .replicas import ReplicaOps
 from .scheduler import Scheduler
 
 NAME = "admission"
@@ -87,6 +91,7 @@ class AdmissionService:
     handlers: Admission
     scheduler: Scheduler
     keeper: LedgerKeeper
+    nodes: NodeOps
 
 
 async def assemble(rt: ServiceRuntime) -> AdmissionService:
@@ -97,7 +102,12 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
     async with rt.uow() as uow:
         await keeper.read(uow)
     # Read at start: a quota change takes effect on restart (and is in the file's history).
-    catalog = Catalog(keeper.inventory, read_quotas(settings.quotas_path))
+    catalog = Catalog(
+        keeper.inventory,
+        read_quotas(settings.quotas_path),
+        Overcommit(settings.overcommit_inference, settings.overcommit_training),
+        timedelta(seconds=settings.mig_change_interval_s),
+    )
     scheduler = Scheduler(
         rt.uow,
         keeper,
@@ -107,12 +117,27 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         starve_after=timedelta(seconds=settings.starve_after_s),
     )
     handlers = Admission(rt.uow, keeper, catalog, scheduler.kick)
+    nodes = NodeOps(
+        rt.uow, keeper, catalog, scheduler.kick, lambda: read_inventory(settings.inventory_path)
+    )
 
     s = rt.subjects
     rt.serve(s.api_jobs_submit, handlers.submit)
     rt.serve(s.api_jobs_get, handlers.get)
     rt.serve(s.api_jobs_approve, handlers.approve)
     rt.serve(s.api_jobs_why, handlers.why)
+    rt.serve(s.api_jobs_scale, ReplicaOps(rt.uow, keeper, scheduler.kick).scale)
+    for verb, endpoint in {
+        NodeVerb.ADD: nodes.add,
+        NodeVerb.RELOAD: nodes.reload,
+        NodeVerb.DRAIN: nodes.drain,
+        NodeVerb.UNDRAIN: nodes.undrain,
+        NodeVerb.FAIL: nodes.fail,
+        NodeVerb.RECOVER: nodes.recover,
+        NodeVerb.REMOVE: nodes.remove,
+        NodeVerb.LIST: nodes.list_nodes,
+    }.items():
+        rt.serve(s.api_nodes(verb), endpoint)
     rt.consume(
         bus.Consumer(
             durable="admission-commands",
@@ -135,14 +160,33 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
                 T.EVICTION_FORCED: handlers.on_eviction_forced,
                 T.EVICTION_ABORTED: handlers.on_eviction_aborted,
                 T.EVICTION_CANCELLED: handlers.on_eviction_cancelled,
+                T.MIG_CONFIGURED: handlers.on_mig_configured,
+                T.NODE_HEALTH: nodes.on_node_health,
             },
+        )
+    )
+    rt.consume(
+        bus.Consumer(
+            durable="admission-job-events",
+            stream=s.stream("JOBS"),
+            subjects=[s.all_job_events],
+            handlers={T.CHECKPOINT_CONFIRMED: nodes.on_checkpoint_confirmed},
         )
     )
     # The tick itself waits up to the schedule interval for a kick, so the loop's own
     # pause is short: a kick during it is served within LEASE_POLL_S.
     rt.every("schedule", LEASE_POLL_S, scheduler.tick, singleton=True)
+    if settings.mig_modes:
+        modes = MigModes(
+            rt.uow,
+            keeper,
+            ModeSchedule(settings.mig_day_start, settings.mig_day_end),
+            timedelta(seconds=settings.mig_change_interval_s),
+            scheduler.kick,
+        )
+        rt.every("mig-modes", settings.mig_reconcile_interval_s, modes.tick, singleton=True)
     scheduler.kick()  # jobs queued before this start are placed at once
-    return AdmissionService(handlers, scheduler, keeper)
+    return AdmissionService(handlers, scheduler, keeper, nodes)
 
 
 async def build(rt: ServiceRuntime) -> None:

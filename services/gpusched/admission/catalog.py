@@ -6,8 +6,10 @@ against the GPUs the service actually schedules, not against the file on disk.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 
@@ -15,6 +17,7 @@ from gpusched.contracts.messages import ApiError, SubmitJob
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import JobKind, PriorityClass
 from gpusched.domain.quota import AboveMax, QuotaBook
+from gpusched.domain.sharing import Overcommit, ShareAsk, mig_capable, smallest_profile
 
 WHOLE_GPU_MILLI = 1000
 _MIB_PER_GIB = 1024
@@ -56,8 +59,31 @@ class _Group:
 
 
 class Catalog:
-    def __init__(self, inventory: Inventory, quotas: QuotaBook | None = None) -> None:
+    def __init__(
+        self,
+        inventory: Inventory,
+        quotas: QuotaBook | None = None,
+        overcommit: Overcommit | None = None,
+        mig_change_interval: timedelta = timedelta(hours=1),
+    ) -> None:
         self.quotas = quotas
+        self.overcommit = overcommit or Overcommit()
+        self.mig_change_interval = mig_change_interval
+        # (home pool, model) with MIG-enabled GPUs, and their memory.
+        self._mig: dict[tuple[Pool, str], int] = {}
+        for node in inventory.nodes:
+            for gpu in node.gpus:
+                if mig_capable(gpu.model) if node.mig is None else node.mig:
+                    key = (node.pool, gpu.model)
+                    self._mig[key] = min(self._mig.get(key, gpu.memory_mib), gpu.memory_mib)
+        self._inventory: Inventory | None = None
+        self.follow(inventory)
+
+    def follow(self, inventory: Inventory) -> None:
+        """Judge against this inventory from now on (a node was added or removed)."""
+        if self._inventory is inventory:
+            return
+        self._inventory = inventory
         self._nodes: dict[str, NodeSpec] = {node.name: node for node in inventory.nodes}
         counts: dict[tuple[Pool, str], list[int]] = {}
         for node in inventory.nodes:
@@ -78,17 +104,23 @@ class Catalog:
                 ErrorCode.INVALID,
                 f"priority class {priority} is for {priority.kind} jobs, not {kind}",
             )
+        if job.replicas is not None and kind is not JobKind.INFERENCE:
+            return refuse(
+                ErrorCode.INVALID,
+                "replicas are for inference services: a training job is one gang "
+                "(use gpus.count for its size)",
+            )
         gpus = job.gpus
         if gpus.min_count is not None and gpus.min_count > gpus.count:
             return refuse(
                 ErrorCode.INVALID,
                 f"gpus.min_count ({gpus.min_count}) must not exceed gpus.count ({gpus.count})",
             )
-        if gpus.milli is not None and gpus.milli != WHOLE_GPU_MILLI:
+        if _fraction(job) and gpus.count != 1:
             return refuse(
-                ErrorCode.UNSUPPORTED,
-                f"fractional GPUs (milli={gpus.milli}) are not supported yet: ask for whole "
-                f"GPUs (omit milli or set it to {WHOLE_GPU_MILLI})",
+                ErrorCode.INVALID,
+                f"a fraction of a GPU (milli={gpus.milli}) is for one GPU: set gpus.count to 1 "
+                f"(not {gpus.count}), or ask whole GPUs (milli {WHOLE_GPU_MILLI})",
             )
         if gpus.model is not None and gpus.model not in self.models:
             return refuse(
@@ -147,8 +179,41 @@ class Catalog:
         priority = PriorityClass(job.priority_class.value)
         return team is not None and not team.allows(priority)
 
+    def share_ask(self, job: SubmitJob, now: datetime | None) -> ShareAsk | None:
+        """Part of one GPU, or None for whole GPUs: a fraction (milli < 1000), or a MIG
+        slice for an inference job of one GPU asking less memory than a MIG GPU has."""
+        gpus = job.gpus
+        memory = None if gpus.memory_gib is None else math.ceil(gpus.memory_gib * _MIB_PER_GIB)
+        if _fraction(job):
+            return ShareAsk(gpus.milli, memory, self.overcommit)
+        if self._mig_models(job) and memory is not None:
+            return ShareAsk(None, memory, self.overcommit, now, self.mig_change_interval)
+        return None
+
+    def _mig_models(self, job: SubmitJob) -> dict[str, int]:
+        """MIG models (with their memory) a MIG slice for this job may come from."""
+        gpus = job.gpus
+        if (
+            job.kind.value != JobKind.INFERENCE
+            or gpus.count != 1
+            or gpus.milli is not None
+            or gpus.memory_gib is None
+        ):
+            return {}
+        return {
+            model: memory
+            for (pool, model), memory in self._mig.items()
+            if pool is Pool.INFERENCE
+            and (gpus.model is None or model == gpus.model)
+            and gpus.memory_gib * _MIB_PER_GIB < memory
+            and smallest_profile(model, gpus.memory_gib) is not None
+        }
+
     def models_to_try(self, job: SubmitJob) -> tuple[str | None, ...]:
         """Placement candidates by model: the asked one, else the smallest GPUs that fit."""
+        if mig := self._mig_models(job):
+            # A MIG slice: the smallest MIG GPUs first, as for whole GPUs.
+            return tuple(sorted(mig, key=lambda model: (mig[model], model)))
         if job.gpus.model is not None:
             return (job.gpus.model,)
         if job.gpus.memory_gib is None and self.quotas is None:
@@ -159,25 +224,34 @@ class Catalog:
         # Smallest first: a job that fits a small GPU leaves the large ones to jobs that need them.
         return tuple(sorted(fitting, key=lambda model: (fitting[model], model)))
 
-    def host_share(self, gpus: Iterable[GpuRef]) -> tuple[Decimal, Decimal]:
-        """CPU cores and memory GB that come with these GPUs: each node's share per GPU."""
+    def host_share(
+        self, gpus: Iterable[GpuRef], milli: int = WHOLE_GPU_MILLI
+    ) -> tuple[Decimal, Decimal]:
+        """CPU cores and memory GB that come with these GPUs: each node's share per GPU
+        (times ``milli``/1000 for a part of one GPU)."""
         cores = memory_gb = Decimal(0)
         for ref in gpus:
             node = self._nodes[ref.node]
-            per_gpu = Decimal(1) / len(node.gpus)
+            per_gpu = Decimal(milli) / WHOLE_GPU_MILLI / len(node.gpus)
             cores += Decimal(node.cpu_milli) / WHOLE_GPU_MILLI * per_gpu
             memory_gb += Decimal(node.memory_mib) / _MIB_PER_GIB * per_gpu
         return cores.quantize(_HOST_SHARE_QUANTUM), memory_gb.quantize(_HOST_SHARE_QUANTUM)
 
     def _fitting(self, kind: JobKind, job: SubmitJob) -> list[_Group]:
         memory = job.gpus.memory_gib
+        # A fraction's memory cap may exceed one GPU's memory by the overcommit factor.
+        factor = self.overcommit.factor(kind is JobKind.TRAINING) if _fraction(job) else 1.0
         return [
             group
             for group in self._groups
             if group.pool in _REACHABLE[kind]
             and (job.gpus.model is None or group.model == job.gpus.model)
-            and (memory is None or group.memory_mib >= memory * _MIB_PER_GIB)
+            and (memory is None or group.memory_mib * factor >= memory * _MIB_PER_GIB)
         ]
+
+
+def _fraction(job: SubmitJob) -> bool:
+    return job.gpus.milli is not None and job.gpus.milli < WHOLE_GPU_MILLI
 
 
 def submission_warnings(job: SubmitJob) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gpusched.domain.ledger import Ledger, Placement, PlacementRequest, default_pools
 from gpusched.domain.quota import dominant_shares
@@ -36,19 +37,24 @@ def find(
     *,
     count: int | None = None,
     held: frozenset[str] = frozenset(),
+    now: datetime | None = None,
 ) -> Attempt:
     """GPUs for ``job`` that its team's quota allows, or the reasons there are none.
 
     ``count`` overrides the asked number (a long-waiting job offered fewer); ``held``
-    nodes are reserved for another job and not used.
+    nodes are reserved for another job and not used. Without ``now`` a MIG slice is
+    sought only in the layouts GPUs have (no layout change).
     """
     reasons: list[str] = []
     count = count or job.spec.gpus.count
+    share = catalog.share_ask(job.spec, now)
     for model in catalog.models_to_try(job.spec):
-        request = PlacementRequest(job.job_id, job.kind, count, model, exclude_nodes=held)
+        request = PlacementRequest(
+            job.job_id, job.kind, count, model, exclude_nodes=held, share=share
+        )
         placement = ledger.place(request)
         if placement is None:
-            reasons.append(_no_room(ledger, request))
+            reasons.append(_no_room(ledger, request) if share is None else _no_share(request))
             continue
         if catalog.quotas is None:
             return Attempt(placement)
@@ -63,6 +69,24 @@ def find(
     if not reasons:
         reasons.append("no GPU model in the inventory fits the request")
     return Attempt(None, reasons=tuple(reasons))
+
+
+def _no_share(request: PlacementRequest) -> str:
+    share = request.share
+    assert share is not None
+    model = request.model or "any model"
+    pools = "/".join(request.pools)
+    if share.mig:
+        return (
+            f"capacity: no free MIG slice of {model} in the {pools} pools holds "
+            f"{share.memory_mib} MiB, and no empty MIG GPU may change its layout now (a GPU's "
+            "layout changes at most once per interval, and only while no job runs on it)"
+        )
+    return (
+        f"capacity: no {model} GPU in the {pools} pools has {share.milli} milli of compute "
+        "and the memory left (fractional tenants share a GPU up to 1000 milli and the "
+        "memory overcommit factor), and no whole GPU is free to start sharing"
+    )
 
 
 def _no_room(ledger: Ledger, request: PlacementRequest) -> str:

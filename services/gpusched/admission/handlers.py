@@ -28,6 +28,8 @@ from gpusched.contracts.messages import (
     GpusReserved,
     GpusReturned,
     JobView,
+    MigConfigured,
+    ReservationView,
     ReserveForInference,
     ReturnToShared,
     StopReason,
@@ -44,11 +46,13 @@ from gpusched.domain.quota import usage_of
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
 
-from . import lending, store, wire
+from . import lending, replicas, reservations, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
 from .explain import fair_order, find
+from .intake import Intake, Submission
 from .keeper import LedgerKeeper
-from .queue import EvictionOutcome, JobState, new_job_id
+from .nodes import newest_checkpoint
+from .queue import EvictionOutcome, JobState
 
 _STOPPED_STATE = {
     StopReason.COMPLETED: JobState.COMPLETED,
@@ -97,6 +101,7 @@ class Admission:
         self._keeper = keeper
         self._catalog = catalog
         self._kick = kick
+        self._intake = Intake(uow, kick)
 
     # --- the jobs API (request/reply) ---------------------------------------------------
 
@@ -106,53 +111,17 @@ class Admission:
         except ValidationError as exc:
             return SubmitReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
         refusal = self._catalog.refusal(job)
-        async with self._uow() as uow:
-            if refusal is not None:
-                # A decision about a well-formed request: audited, nothing else stored.
-                await uow.audit(
-                    "job.rejected",
-                    entity=job.team,
-                    reason=f"{refusal.code}: {refusal.message}",
-                    details={"name": job.name, "gpus": job.gpus.model_dump(mode="json")},
-                )
-                await uow.commit()
-                return SubmitReply(ok=False, error=refusal)
-            key = job.idempotency_key
-            if key is not None and (known := await store.job_id_for_key(uow, job.team, key)):
-                return SubmitReply(ok=True, job_id=known)
-            job_id = new_job_id()
-            warnings = submission_warnings(job)
-            held = self._catalog.held_for_approval(job)
-            if held:
-                warnings.append(
-                    f"held for approval: {job.priority_class} is above team {job.team}'s max "
-                    "priority class; an operator runs `gpusched approve <job>`"
-                )
-            state = JobState.HELD if held else JobState.QUEUED
-            if not await store.insert_job(uow, job_id, job, warnings, utcnow(), state):
-                # A concurrent submit with the same key committed first: answer with its job.
-                assert key is not None
-                known = await store.job_id_for_key(uow, job.team, key)
-                return SubmitReply(ok=True, job_id=known)
-            await uow.audit(
-                "job.held" if held else "job.submitted",
-                entity=job_id,
-                reason=(
-                    f"held for approval: {job.priority_class} is above team {job.team}'s max"
-                    if held
-                    else f"queued: {job.priority_class} {job.kind} job of team {job.team}"
-                ),
-                details={
-                    "name": job.name,
-                    "team": job.team,
-                    "gpus": job.gpus.model_dump(mode="json"),
-                    "idempotency_key": key,
-                    "warnings": warnings,
-                },
+        if refusal is not None:
+            return await self._intake.submit(Submission(job, utcnow(), refusal=refusal))
+        warnings = submission_warnings(job)
+        held = self._catalog.held_for_approval(job)
+        if held:
+            warnings.append(
+                f"held for approval: {job.priority_class} is above team {job.team}'s max "
+                "priority class; an operator runs `gpusched approve <job>`"
             )
-            await uow.commit()
-        self._kick()
-        return SubmitReply(ok=True, job_id=job_id)
+        # Written with the submits arriving alongside it, in one transaction (intake).
+        return await self._intake.submit(Submission(job, utcnow(), tuple(warnings), held))
 
     async def get(self, raw: bytes) -> GetReply:
         try:
@@ -168,6 +137,12 @@ class Admission:
             held = None
             if job.allocation_id is not None:
                 held = await store.allocation(uow, job.allocation_id)
+            reservation = await store.reservation_of(uow, job.job_id)
+            service = (
+                None
+                if job.spec.replicas is None
+                else await store.live_allocations_of(uow, job.job_id)
+            )
         allocated = (
             []
             if held is None
@@ -176,6 +151,13 @@ class Admission:
                 for ref in held.allocation.gpus
             ]
         )
+        if service is not None:
+            # A service's GPUs are those of every live replica.
+            allocated = [
+                GpuRef(node=ref.node, index=ref.index, model=replica.model)
+                for replica in service
+                for ref in replica.gpus
+            ]
         spec = job.spec
         return GetReply(
             ok=True,
@@ -192,10 +174,21 @@ class Admission:
                 allocated=allocated,
                 resume_from=job.resume_from,
                 # The checkpoint catalogue lives in the checkpoint service; admission knows
-                # the one an eviction left, which is what the job resumes from.
-                latest_checkpoint=job.resume_from,
+                # the one an eviction left and the newest the job confirmed.
+                latest_checkpoint=newest_checkpoint(job.resume_from, job.latest_checkpoint),
                 submitted_at=job.submitted_at,
                 warnings=list(job.warnings),
+                share=None if held is None else wire.share(held.allocation),
+                reservation=None
+                if reservation is None
+                else ReservationView(
+                    nodes=list(reservation.nodes),
+                    since=reservation.since,
+                    reason=reservation.reason,
+                ),
+                replicas=None
+                if service is None
+                else replicas.view(job, [replica.allocation_id for replica in service]),
             ),
         )
 
@@ -251,15 +244,31 @@ class Admission:
                 )
             ledger = await self._keeper.read(uow)
             queued = await store.queued_jobs(uow)
+            reserved = {r.job_id: r for r in await store.reservations(uow)}
         usage = usage_of(ledger.allocations.values())
         ahead = []
         for other in fair_order(queued, ledger, usage):
             if other.job_id == job.job_id:
                 break
             ahead.append(other)
-        reasons = list(find(ledger, self._catalog, job, usage).reasons)
-        if not reasons:
-            reasons.append("it fits now: the next scheduling pass places it")
+        # As the scheduler sees it: nodes reserved for a gang tried before this job.
+        blockers = [reserved[other.job_id] for other in ahead if other.job_id in reserved]
+        held = frozenset(node for r in blockers for node in r.nodes)
+        attempt = find(ledger, self._catalog, job, usage, held=held, now=utcnow())
+        reasons = list(attempt.reasons)
+        if job.job_id in reserved:
+            reasons.insert(0, reservations.describe(reserved[job.job_id], utcnow()))
+        if attempt.placement is None:
+            reasons.extend(reservations.blocking(r) for r in blockers)
+        if job.spec.replicas is not None:
+            reasons.insert(0, replicas.waiting_words(job, ledger))
+        if attempt.placement is not None:
+            reasons.append(
+                "it fits now: the next scheduling pass places it"
+                if job.spec.replicas is None
+                else "one replica fits now: the next pass places the missing min replicas "
+                "if they all fit together"
+            )
         if ahead:
             names = ", ".join(
                 f"{other.job_id} ({other.priority_class}, team {other.spec.team}, "
@@ -296,6 +305,9 @@ class Admission:
                 slot = ledger.gpu(ref)
                 if slot.pool is not Pool.SHARED:
                     not_lendable[str(ref)] = f"{slot.pool} pool"
+                elif slot.status is d.GpuStatus.SHARED:
+                    # Simplest honest rule: a GPU with fractional or MIG tenants is never lent.
+                    not_lendable[str(ref)] = "shared by fractional or MIG tenants"
                 elif slot.reserved_for not in (None, command.reservation_id):
                     not_lendable[str(ref)] = f"already reserved for {slot.reserved_for}"
                 else:
@@ -342,6 +354,9 @@ class Admission:
             },
             causation_id=envelope.id,
         )
+        if len(reserved.gpus) > len(reserved.pending):
+            # Idle GPUs serve inference now: a service below its replica target takes them.
+            self._kick()
 
     async def on_return_to_shared(self, envelope: Envelope, uow: UnitOfWork) -> None:
         command = envelope.payload(ReturnToShared)
@@ -384,6 +399,39 @@ class Admission:
             self._kick()
 
     # --- results from the cluster agent -------------------------------------------------
+
+    async def on_mig_configured(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """The agent applied a MIG layout change: its slices may now be used."""
+        applied = envelope.payload(MigConfigured)
+        ledger = await self._keeper.hold(uow)
+        ref = d.GpuRef(applied.node, applied.gpu)
+        layout = "+".join(applied.profiles) or "none"
+        details = {"change_id": applied.change_id, "applied_at": applied.applied_at.isoformat()}
+        try:
+            event = ledger.apply_layout(ref, applied.profiles)
+        except d.LedgerError as exc:
+            # A report of a layout the GPU no longer has (or an unknown GPU): nothing to use.
+            await uow.audit(
+                "mig.report_ignored",
+                entity=str(ref),
+                reason=f"the cluster agent applied MIG layout {layout}, but {exc}",
+                details=details,
+                correlation_id=applied.change_id,
+                causation_id=envelope.id,
+            )
+            return
+        await self._keeper.save(uow, [ref])
+        await uow.audit(
+            "mig.layout_applied",
+            entity=str(ref),
+            reason=f"the cluster agent applied MIG layout {layout}"
+            + ("" if event is not None else " (already known)"),
+            details=details,
+            correlation_id=applied.change_id,
+            causation_id=envelope.id,
+        )
+        if event is not None:
+            self._kick()  # replicas waiting for these slices
 
     async def on_workload_stopped(self, envelope: Envelope, uow: UnitOfWork) -> None:
         stopped = envelope.payload(WorkloadStopped)
@@ -439,6 +487,9 @@ class Admission:
     ) -> None:
         job = await store.job(uow, stopped.job_id)
         assert job is not None  # allocations reference their job
+        if job.spec.replicas is not None:
+            await replicas.settle_stopped(uow, job, stopped, envelope.id, now)
+            return
         if job.allocation_id != stopped.allocation_id:
             return  # an older attempt's allocation; the job has moved on
         if stopped.reason in _STOPPED_STATE:

@@ -43,6 +43,10 @@ class LedgerKeeper:
             raise RuntimeError("the ledger has not been loaded yet")
         return self._inventory
 
+    def set_inventory(self, inventory: Inventory) -> None:
+        """The holder added or removed a node in the held ledger: the node set it has now."""
+        self._inventory = inventory
+
     async def hold(self, uow: UnitOfWork) -> Ledger:
         """The current ledger, locked for this transaction, which may change it."""
         ledger = await self._sync(uow)
@@ -57,7 +61,18 @@ class LedgerKeeper:
     async def save(self, uow: UnitOfWork, gpus: Iterable[GpuRef]) -> None:
         """Write the slots of ``gpus`` as the held ledger has them now."""
         ledger = self._require()
-        await store.save_gpus(uow, [ledger.gpu(ref) for ref in gpus])
+        await store.save_gpus(
+            uow,
+            [
+                (
+                    ledger.gpu(ref),
+                    ledger.layout_of(ref),
+                    ledger.layout_changed_at(ref),
+                    ledger.layout_pending(ref),
+                )
+                for ref in gpus
+            ],
+        )
 
     async def _sync(self, uow: UnitOfWork) -> Ledger:
         committed = await store.lock_ledger(uow)

@@ -22,7 +22,14 @@ def free_to_lend(ledger: Ledger, count: int, taken: Collection[GpuRef]) -> tuple
     """
     if count <= 0:
         return ()
-    candidates = [slot for slot in ledger.gpus if idle_shared(slot) and slot.ref not in taken]
+    # A drained or failed node lends nothing: inference could not be placed there.
+    candidates = [
+        slot
+        for slot in ledger.gpus
+        if idle_shared(slot)
+        and slot.ref not in taken
+        and ledger.node_condition(slot.ref.node) is None
+    ]
     idle_on = Counter(slot.ref.node for slot in candidates)
     lent_on = Counter(ref.node for ref in (*ledger.lent_gpus(), *taken))
     ordered = sorted(

@@ -11,22 +11,71 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import T
-from gpusched.domain.ledger import Ledger, LedgerError, Placement, default_pools
+from gpusched.domain.ledger import (
+    AllocationGranted,
+    Ledger,
+    LedgerError,
+    Placement,
+    default_pools,
+)
 from gpusched.domain.quota import usage_of
-from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.db import Outgoing, UnitOfWork, UnitOfWorkFactory
 
-from . import store, wire
-from .catalog import Catalog
+from . import mig, replicas, store, wire
+from .catalog import WHOLE_GPU_MILLI, Catalog
 from .explain import Attempt, fair_order, find, reservation_target
 from .keeper import LedgerKeeper
-from .queue import new_allocation_id
+from .queue import JobState, new_allocation_id
+from .reservations import Reservation, ReservationEnd, ended_reason, lapsed, taken_reason
 from .store import JobRecord
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    job: JobRecord
+    granted: AllocationGranted
+    attempt: int
+    warnings: tuple[str, ...]
+    events: tuple[Outgoing, ...]
+
+
+class QueuedJobs:
+    """The queued jobs as of this transaction, parsed once per row version.
+
+    Every pass lists the queued ids with their row versions (a small index scan) and
+    reads in full only the rows it has not parsed at that version: new submits, requeued
+    or changed jobs, whichever replica wrote them. A long waiting queue then costs a
+    pass almost nothing to re-read, and nothing has to tell this replica about a change.
+    """
+
+    def __init__(self) -> None:
+        self._parsed: dict[str, tuple[str, JobRecord]] = {}
+
+    async def read(self, uow: UnitOfWork) -> list[JobRecord]:
+        listed = await store.queued_versions(uow)
+        stale = [
+            job_id
+            for job_id, version in listed
+            if (known := self._parsed.get(job_id)) is None or known[0] != version
+        ]
+        fresh = await store.queued_by_id(uow, stale)
+        parsed: dict[str, tuple[str, JobRecord]] = {}
+        for job_id, version in listed:
+            if job_id in fresh:
+                parsed[job_id] = fresh[job_id]
+            elif self._parsed.get(job_id, ("", None))[0] == version:
+                parsed[job_id] = self._parsed[job_id]
+            # Otherwise it left the queue between the two reads: the next pass sees why.
+        self._parsed = parsed
+        return [record for _, record in parsed.values()]
 
 
 class Scheduler:
@@ -48,10 +97,8 @@ class Scheduler:
         # When a waiting job next crosses reserve_after or starve_after: a pass must run
         # then even if nothing else changed.
         self._next_deadline: datetime | None = None
-        # The job whose reservation was last audited, so a held reservation is audited
-        # once, not on every pass.
-        self._reserving: str | None = None
         self._kicked = asyncio.Event()
+        self._queue = QueuedJobs()
         # The ledger version after a pass that placed nothing: until the ledger or the
         # queue changes, another pass would place nothing either.
         self._fruitless_at: int | None = None
@@ -79,40 +126,67 @@ class Scheduler:
                 ):
                     return 0
             ledger = await self._keeper.hold(uow)
+            # Another replica may have added or removed a node since this one last looked.
+            self._catalog.follow(self._keeper.inventory)
             now = utcnow()
             usage = usage_of(ledger.allocations.values())
             placed = 0
+            started: list[_Started] = []
             newly_waiting: list[tuple[JobRecord, Attempt]] = []
-            # Nodes held for the first starving gang: its reservation. Recomputed every
-            # pass from the same state, so it lasts while the gang waits, and GPUs freed
-            # on those nodes accumulate for it. Later jobs still use every other node
-            # (backfill).
+            queued = await self._queue.read(uow)
+            # The stored reservations that still hold (see reservations.py); the others
+            # end now. A gang's nodes are held from its own turn on, so jobs tried
+            # before it (higher priority, fairer share) may still use them.
+            reserved, ended = await self._holding(uow, queued, now)
             held: frozenset[str] = frozenset()
-            reserving: str | None = None
             self._next_deadline = None
             # Priority class first, then DRF across teams, then FIFO.
-            for job in fair_order(await store.queued_jobs(uow), ledger, usage):
+            for job in fair_order(queued, ledger, usage):
                 waited = now - job.submitted_at
-                attempt = self._find(ledger, job, usage, held=held)
+                if job.spec.replicas is not None:
+                    batch, attempt = await self._replicas(uow, ledger, job, usage, now, held)
+                    if batch:
+                        started.extend(batch)
+                        placed += 1
+                        continue
+                else:
+                    attempt = self._find(ledger, job, usage, held=held)
                 offered = self._fewer(ledger, job, usage, held, waited, attempt)
                 if offered is not None:
                     attempt = offered
+                if attempt.placement is not None and attempt.placement.layout is not None:
+                    # A MIG slice that needs a new layout: changed now, placed once the
+                    # cluster agent reports the layout applied (that report kicks a pass).
+                    attempt = await self._relayout(uow, ledger, job, attempt.placement, now)
                 if attempt.placement is not None:
-                    await self._start(uow, ledger, job, attempt.placement, attempt.borrowed)
+                    started.append(
+                        self._grant(uow, ledger, job, attempt.placement, attempt.borrowed, now)
+                    )
                     key = (job.spec.team, attempt.placement.model)
                     usage[key] = usage.get(key, 0) + len(attempt.placement.gpus)
                     placed += 1
+                    if job.job_id in reserved:
+                        ended.append((reserved.pop(job.job_id), ReservationEnd.PLACED, job))
                     continue
-                if reserving is None and self._reserve_after <= waited < self._starve_after:
-                    node = reservation_target(ledger, self._catalog, job, held)
-                    if node is not None:
-                        held, reserving = held | {node}, job.job_id
-                        if self._reserving != job.job_id:
-                            await self._audit_reservation(uow, job, node, waited)
+                if job.job_id in reserved:
+                    held |= set(reserved[job.job_id].nodes)
+                elif not reserved and self._reserve_after <= waited < self._starve_after:
+                    taken = self._reservation_for(ledger, job, held, waited, now)
+                    if taken is not None:
+                        reserved[job.job_id] = taken
+                        held |= set(taken.nodes)
+                        await store.insert_reservation(uow, taken)
+                        await self._audit_reservation(uow, job, taken, waited)
                 self._note_deadline(job.submitted_at, waited)
                 if not job.wait_audited:
                     newly_waiting.append((job, attempt))
-            self._reserving = reserving
+            # Running inference services below their replica target: more as they fit.
+            for service in await store.running_services(uow):
+                batch, _ = await self._replicas(uow, ledger, service, usage, now, held)
+                started.extend(batch)
+                placed += bool(batch)
+            await self._end_reservations(uow, ended)
+            await self._write_started(uow, started, now)
             for job, attempt in newly_waiting:
                 await self._audit_wait(uow, ledger, job, attempt)
             await store.mark_waiting(uow, [job.job_id for job, _ in newly_waiting], now)
@@ -148,18 +222,94 @@ class Scheduler:
                 return fewer
         return None
 
+    async def _holding(
+        self, uow: UnitOfWork, queued: Sequence[JobRecord], now: datetime
+    ) -> tuple[dict[str, Reservation], list[tuple[Reservation, ReservationEnd, JobRecord | None]]]:
+        """The stored reservations that still hold, and those that end before this pass."""
+        by_id = {job.job_id: job for job in queued}
+        holding: dict[str, Reservation] = {}
+        ended: list[tuple[Reservation, ReservationEnd, JobRecord | None]] = []
+        for reservation in await store.reservations(uow):
+            job = by_id.get(reservation.job_id)
+            if job is None:
+                # Not queued any more: read it for the words of the audit record.
+                job = await store.job(uow, reservation.job_id)
+            end = lapsed(reservation, job, now, self._starve_after)
+            if end is None:
+                holding[reservation.job_id] = reservation
+            else:
+                ended.append((reservation, end, job))
+        return holding, ended
+
+    def _reservation_for(
+        self,
+        ledger: Ledger,
+        job: JobRecord,
+        held: frozenset[str],
+        waited: timedelta,
+        now: datetime,
+    ) -> Reservation | None:
+        node = reservation_target(ledger, self._catalog, job, held)
+        if node is None:
+            return None
+        free = sum(
+            1
+            for pool in default_pools(job.kind)
+            for ref in ledger.free_gpus(pool)
+            if ref.node == node
+        )
+        return Reservation(job.job_id, (node,), now, taken_reason(job, node, free, waited))
+
     async def _audit_reservation(
-        self, uow: UnitOfWork, job: JobRecord, node: str, waited: timedelta
+        self, uow: UnitOfWork, job: JobRecord, reservation: Reservation, waited: timedelta
     ) -> None:
         await uow.audit(
             "job.reserving",
             entity=job.job_id,
-            reason=(
-                f"waited {int(waited.total_seconds())} s for {job.spec.gpus.count} GPUs: "
-                f"node {node} is held for it as GPUs free up; other nodes keep serving "
-                "smaller jobs"
+            reason=reservation.reason,
+            details={
+                "node": reservation.nodes[0],
+                "nodes": list(reservation.nodes),
+                "since": reservation.since.isoformat(),
+                "waited_s": int(waited.total_seconds()),
+            },
+        )
+
+    async def _end_reservations(
+        self,
+        uow: UnitOfWork,
+        ended: Sequence[tuple[Reservation, ReservationEnd, JobRecord | None]],
+    ) -> None:
+        await store.delete_reservations(uow, [reservation.job_id for reservation, _, _ in ended])
+        for reservation, end, job in ended:
+            await uow.audit(
+                "job.reservation_released",
+                entity=reservation.job_id,
+                reason=ended_reason(end, job, self._starve_after),
+                details={
+                    "nodes": list(reservation.nodes),
+                    "since": reservation.since.isoformat(),
+                    "end": end,
+                },
+            )
+
+    async def _relayout(
+        self, uow: UnitOfWork, ledger: Ledger, job: JobRecord, placement: Placement, now: datetime
+    ) -> Attempt:
+        """Give an empty MIG GPU the layout ``placement`` needs; the job keeps waiting."""
+        assert placement.layout is not None and placement.share is not None
+        ref = placement.gpus[0]
+        interval = self._catalog.mig_change_interval
+        changed = ledger.change_layout(ref, placement.layout, now, interval)
+        await self._keeper.save(uow, [ref])
+        reason = f"job {job.job_id} needs a {placement.share.profile} slice"
+        await uow.emit_many(mig.layout_outgoing(uow, changed, reason, interval))
+        return Attempt(
+            None,
+            reasons=(
+                f"mig: GPU {ref} is being given MIG layout {'+'.join(placement.layout)} for "
+                "it; it is placed once the cluster agent reports the layout applied",
             ),
-            details={"node": node, "waited_s": int(waited.total_seconds())},
         )
 
     def _find(
@@ -172,30 +322,33 @@ class Scheduler:
         count: int | None = None,
     ) -> Attempt:
         try:
-            return find(ledger, self._catalog, job, usage, count=count, held=held)
+            return find(ledger, self._catalog, job, usage, count=count, held=held, now=utcnow())
         except LedgerError as exc:
             # One job the ledger refuses must not stop the queue behind it; it stays
             # queued, and its wait is audited.
             log.exception("job %s cannot be placed", job.job_id)
             return Attempt(None, reasons=(f"refused by the ledger: {exc}",))
 
-    async def _start(
+    def _grant(
         self,
         uow: UnitOfWork,
         ledger: Ledger,
         job: JobRecord,
         placement: Placement,
         borrowed: bool,
-    ) -> None:
+        now: datetime,
+        *,
+        allocation_id: str | None = None,
+        attempt: int | None = None,
+    ) -> _Started:
+        """Allocate in the held ledger; the rows and events are written with the pass's.
+
+        ``allocation_id``/``attempt``: a service replica's (see replicas.py)."""
         granted = ledger.allocate(
-            new_allocation_id(),
-            placement,
-            job.spec.team,
-            job.priority_class,
-            utcnow(),
-            borrowed=borrowed,
-        )
-        attempt = job.attempt + 1
+            allocation_id or new_allocation_id(), placement, job.spec.team, job.priority_class,
+            now, borrowed=borrowed,
+        )  # fmt: skip
+        attempt = attempt or job.attempt + 1
         warnings = list(job.warnings)
         if len(placement.gpus) < job.spec.gpus.count:
             warnings.append(
@@ -208,44 +361,132 @@ class Scheduler:
             warning = f"spans nodes {', '.join(placement.nodes)}: gang traffic crosses the network"
             if warning not in warnings:
                 warnings.append(warning)
-        await store.insert_allocation(uow, granted.allocation, attempt)
-        await self._keeper.save(uow, granted.gpus)
-        await store.job_started(uow, job.job_id, granted.allocation_id, attempt, warnings, utcnow())
         s = uow.subjects
-        host_share = self._catalog.host_share(granted.gpus)
-        await uow.emit(
-            s.event(uow.source, T.ALLOCATION_GRANTED),
-            T.ALLOCATION_GRANTED,
-            wire.allocation_granted(granted, job, attempt, ledger, host_share),
-            correlation_id=job.job_id,
-            trace_headers=job.trace or None,
-        )
-        await uow.emit(
-            s.command("agent", T.START_WORKLOAD),
-            T.START_WORKLOAD,
-            wire.start_workload(granted, job, attempt, ledger),
-            correlation_id=job.job_id,
-            trace_headers=job.trace or None,
-        )
-        await uow.audit(
-            "job.placed",
-            entity=job.job_id,
-            reason=(
-                f"{len(granted.gpus)} x {granted.model} free in the {granted.pool} pool"
-                + (" (across nodes)" if spans else "")
-                + (" (borrowed beyond the team's guaranteed quota)" if borrowed else "")
+        milli = granted.share.milli if granted.share is not None else WHOLE_GPU_MILLI
+        host_share = self._catalog.host_share(granted.gpus, milli)
+        trace = job.trace or None
+        events = [
+            Outgoing(
+                s.event(uow.source, T.ALLOCATION_GRANTED),
+                T.ALLOCATION_GRANTED,
+                wire.allocation_granted(granted, job, attempt, ledger, host_share),
+                correlation_id=job.job_id,
+                trace_headers=trace,
             ),
-            details={
-                "allocation_id": granted.allocation_id,
-                "attempt": attempt,
-                "gpus": [str(ref) for ref in granted.gpus],
-                "nodes": list(placement.nodes),
-                "spans_nodes": spans,
-                "borrowed": borrowed,
-                "warnings": warnings,
-                "resume_from": job.resume_from.checkpoint_id if job.resume_from else None,
-            },
+            Outgoing(
+                s.command("agent", T.START_WORKLOAD),
+                T.START_WORKLOAD,
+                wire.start_workload(granted, job, attempt, ledger),
+                correlation_id=job.job_id,
+                trace_headers=trace,
+            ),
+            uow.audit_event(
+                "job.placed",
+                entity=job.job_id,
+                reason=(
+                    f"{len(granted.gpus)} x {granted.model} free in the {granted.pool} pool"
+                    + (" (across nodes)" if spans else "")
+                    + (" (borrowed beyond the team's guaranteed quota)" if borrowed else "")
+                    + mig.share_words(granted.share)
+                ),
+                details={
+                    "allocation_id": granted.allocation_id,
+                    "attempt": attempt,
+                    "gpus": [str(ref) for ref in granted.gpus],
+                    "nodes": list(placement.nodes),
+                    "spans_nodes": spans,
+                    "borrowed": borrowed,
+                    "warnings": warnings,
+                    "resume_from": job.resume_from.checkpoint_id if job.resume_from else None,
+                    "share": None if granted.share is None else asdict(granted.share),
+                },
+            ),
+        ]
+        return _Started(job, granted, attempt, tuple(warnings), tuple(events))
+
+    async def _replicas(
+        self,
+        uow: UnitOfWork,
+        ledger: Ledger,
+        service: JobRecord,
+        usage: dict[tuple[str, str], int],
+        now: datetime,
+        held: frozenset[str],
+    ) -> tuple[list[_Started], Attempt]:
+        """An inference service's missing replicas, each placed like a job by ``find``:
+        up to min all or nothing (while it is queued), then up to its target as they fit."""
+        live = len(replicas.live_replicas(ledger, service.job_id))
+        wanted = service.replicas_wanted - live
+        spec = service.spec.replicas
+        assert spec is not None  # callers pass services only
+        queued = service.state is JobState.QUEUED
+        at_least = max(spec.min - live, 0) if queued else 0
+        number = service.replica_seq
+        attempt_number = service.attempt + 1 if queued else max(service.attempt, 1)
+        last = Attempt(None)
+
+        def place_one() -> _Started | None:
+            nonlocal number, last
+            last = self._find(ledger, service, usage, held=held)
+            if last.placement is None:
+                return None
+            number += 1
+            one = self._grant(
+                uow, ledger, service, last.placement, last.borrowed, now,
+                allocation_id=replicas.replica_id(service.job_id, number),
+                attempt=attempt_number,
+            )  # fmt: skip
+            key = (service.spec.team, one.granted.model)
+            usage[key] = usage.get(key, 0) + len(one.granted.gpus)
+            return one
+
+        def undo(one: _Started) -> None:
+            ledger.release(one.granted.allocation_id, now)
+            key = (service.spec.team, one.granted.model)
+            usage[key] -= len(one.granted.gpus)
+
+        placed, undone = replicas.place_replicas(at_least, wanted, place_one, undo)
+        if undone:
+            # A MIG layout changed for an undone replica stays changed: store and announce it.
+            await self._keeper.save(uow, [ref for one in undone for ref in one.granted.gpus])
+            await uow.emit_many(
+                [
+                    event
+                    for one in undone
+                    for event in one.events
+                    if event.message_type not in (T.ALLOCATION_GRANTED, T.START_WORKLOAD, T.AUDIT)
+                ]
+            )
+            last = Attempt(
+                None,
+                reasons=(
+                    f"replicas: {len(undone)} of the {at_least} needed together fit, so none "
+                    "was placed (min replicas are placed all or nothing)",
+                ),
+            )
+        if placed:
+            await store.set_replica_seq(uow, service.job_id, number)
+        return placed, last
+
+    async def _write_started(
+        self, uow: UnitOfWork, started: Sequence[_Started], now: datetime
+    ) -> None:
+        """The pass's placements in a few statements, whatever their number."""
+        if not started:
+            return
+        await store.insert_allocations(
+            uow, [(one.granted.allocation, one.attempt) for one in started]
         )
+        await self._keeper.save(uow, [ref for one in started for ref in one.granted.gpus])
+        await store.jobs_started(
+            uow,
+            [
+                (one.job.job_id, one.granted.allocation_id, one.attempt, one.warnings)
+                for one in started
+            ],
+            now,
+        )
+        await uow.emit_many([event for one in started for event in one.events])
 
     async def _audit_wait(
         self, uow: UnitOfWork, ledger: Ledger, job: JobRecord, attempt: Attempt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -12,11 +12,19 @@ from sqlalchemy import text
 
 from gpusched.contracts.messages import CheckpointInfo, SubmitJob
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
-from gpusched.domain.ledger import Allocation, GpuSlot, JobKind, Ledger, PriorityClass
-from gpusched.infra import tracing
+from gpusched.domain.ledger import (
+    Allocation,
+    GpuSlot,
+    JobKind,
+    Ledger,
+    NodeCondition,
+    PriorityClass,
+)
+from gpusched.domain.sharing import GpuShare
 from gpusched.infra.db import UnitOfWork
 
 from .queue import EvictionOutcome, JobState
+from .reservations import Reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +39,22 @@ class JobRecord:
     warnings: tuple[str, ...]
     wait_audited: bool
     trace: dict[str, str]
+    latest_checkpoint: CheckpointInfo | None = None
+    latest_checkpoint_at: datetime | None = None
+    replica_target: int | None = None
+    replica_seq: int = 0
 
     @property
     def kind(self) -> JobKind:
         return JobKind(self.spec.kind.value)
+
+    @property
+    def replicas_wanted(self) -> int:
+        """An inference service's replica target: its max until a scale request moves it."""
+        replicas = self.spec.replicas
+        if replicas is None:
+            return 1
+        return replicas.max if self.replica_target is None else self.replica_target
 
     @property
     def priority_class(self) -> PriorityClass:
@@ -110,23 +130,10 @@ async def has_inventory(uow: UnitOfWork) -> bool:
 async def save_inventory(uow: UnitOfWork, inventory: Inventory) -> None:
     await _execute_many(
         uow,
-        f"INSERT INTO {_t(uow, 'nodes')} (name, pool, cpu_milli, memory_mib, gpu_groups) "
-        "VALUES (:name, :pool, :cpu_milli, :memory_mib, CAST(:groups AS jsonb))",
-        [
-            {
-                "name": n.name,
-                "pool": n.pool,
-                "cpu_milli": n.cpu_milli,
-                "memory_mib": n.memory_mib,
-                "groups": json.dumps(
-                    {
-                        "nvlink_islands": [list(g) for g in n.nvlink_islands],
-                        "numa": [list(g) for g in n.numa],
-                    }
-                ),
-            }
-            for n in inventory.nodes
-        ],
+        f"INSERT INTO {_t(uow, 'nodes')} (name, pool, cpu_milli, memory_mib, gpu_groups, mig, "
+        "disk_gib) VALUES (:name, :pool, :cpu_milli, :memory_mib, CAST(:groups AS jsonb), "
+        ":mig, :disk_gib)",
+        [_node_row(n) for n in inventory.nodes],
     )
     ledger = Ledger.from_inventory(inventory)
     await _execute_many(
@@ -147,12 +154,18 @@ async def save_inventory(uow: UnitOfWork, inventory: Inventory) -> None:
     )
 
 
-async def save_gpus(uow: UnitOfWork, slots: Iterable[GpuSlot]) -> None:
-    """Write the live status of these slots (the ledger is the source of the values)."""
+async def save_gpus(
+    uow: UnitOfWork, slots: Iterable[tuple[GpuSlot, tuple[str, ...], datetime | None, bool]]
+) -> None:
+    """Write the live status of these slots, with each one's MIG layout, the time of its
+    last layout change and whether the agent has yet to apply it (the ledger is the
+    source of the values)."""
     await _execute_many(
         uow,
         f"UPDATE {_t(uow, 'gpus')} SET status = :status, allocation_id = :allocation_id, "
-        "reservation_id = :reservation_id WHERE node = :node AND gpu_index = :idx",
+        "reservation_id = :reservation_id, mig_layout = CAST(:layout AS jsonb), "
+        "layout_changed_at = :changed_at, layout_pending = :pending "
+        "WHERE node = :node AND gpu_index = :idx",
         [
             {
                 "node": slot.ref.node,
@@ -160,33 +173,60 @@ async def save_gpus(uow: UnitOfWork, slots: Iterable[GpuSlot]) -> None:
                 "status": slot.status,
                 "allocation_id": slot.allocation_id,
                 "reservation_id": slot.reserved_for,
+                "layout": json.dumps(list(layout)),
+                "changed_at": changed_at,
+                "pending": pending,
             }
-            for slot in slots
+            for slot, layout, changed_at, pending in slots
         ],
     )
+
+
+def _node_row(node: NodeSpec) -> dict[str, Any]:
+    return {
+        "name": node.name,
+        "pool": node.pool,
+        "cpu_milli": node.cpu_milli,
+        "memory_mib": node.memory_mib,
+        "mig": node.mig,
+        "disk_gib": node.disk_gib,
+        "groups": json.dumps(
+            {
+                "nvlink_islands": [list(g) for g in node.nvlink_islands],
+                "numa": [list(g) for g in node.numa],
+            }
+        ),
+    }
 
 
 async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     """The inventory and the live ledger, rebuilt from the stored rows."""
     nodes = (
         await uow.execute(
-            f"SELECT name, pool, cpu_milli, memory_mib, gpu_groups FROM {_t(uow, 'nodes')} "
-            "ORDER BY name"
+            f"SELECT name, pool, cpu_milli, memory_mib, gpu_groups, state, mig, disk_gib "
+            f"FROM {_t(uow, 'nodes')} ORDER BY name"
         )
     ).all()
     gpus = (
         await uow.execute(
-            f"SELECT node, gpu_index, model, memory_mib, reservation_id FROM {_t(uow, 'gpus')} "
+            f"SELECT node, gpu_index, model, memory_mib, reservation_id, mig_layout, "
+            f"layout_changed_at, layout_pending FROM {_t(uow, 'gpus')} "
             "ORDER BY node, gpu_index"
         )
     ).all()
     specs: dict[str, list[GpuSpec]] = {}
     reservations: dict[GpuRef, str] = {}
+    layouts: dict[GpuRef, tuple[tuple[str, ...], datetime | None]] = {}
+    pending: set[GpuRef] = set()
     for row in gpus:
         spec = GpuSpec(row.node, row.gpu_index, row.model, row.memory_mib)
         specs.setdefault(row.node, []).append(spec)
         if row.reservation_id is not None:
             reservations[spec.ref] = row.reservation_id
+        if row.layout_changed_at is not None:
+            layouts[spec.ref] = (tuple(row.mig_layout or ()), row.layout_changed_at)
+        if row.layout_pending:
+            pending.add(spec.ref)
     inventory = Inventory(
         tuple(
             NodeSpec(
@@ -197,6 +237,8 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
                 n.memory_mib,
                 _groups(n.gpu_groups, "nvlink_islands"),
                 _groups(n.gpu_groups, "numa"),
+                n.mig,
+                n.disk_gib,
             )
             for n in nodes
         )
@@ -208,7 +250,53 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
         )
     ).all()
     allocations = [_allocation(row) for row in live]
-    return inventory, Ledger.restore(inventory, allocations, reservations)
+    conditions = {n.name: NodeCondition(n.state) for n in nodes if n.state != _UP}
+    return inventory, Ledger.restore(
+        inventory, allocations, reservations, conditions, layouts=layouts, pending_layouts=pending
+    )
+
+
+# The stored state of a node without a condition (NodeState.UP on the wire).
+_UP = "up"
+
+
+async def insert_node(uow: UnitOfWork, node: NodeSpec, now: datetime) -> None:
+    """A node added while the service runs: its row and its idle GPU slots."""
+    await uow.execute(
+        f"INSERT INTO {_t(uow, 'nodes')} (name, pool, cpu_milli, memory_mib, gpu_groups, mig, "
+        "disk_gib, state, changed_at) VALUES (:name, :pool, :cpu_milli, :memory_mib, "
+        "CAST(:groups AS jsonb), :mig, :disk_gib, :state, :now)",
+        {**_node_row(node), "state": _UP, "now": now},
+    )
+    await _execute_many(
+        uow,
+        f"INSERT INTO {_t(uow, 'gpus')} (node, gpu_index, model, memory_mib, pool, status) "
+        "VALUES (:node, :idx, :model, :memory_mib, :pool, 'free')",
+        [
+            {
+                "node": gpu.node,
+                "idx": gpu.index,
+                "model": gpu.model,
+                "memory_mib": gpu.memory_mib,
+                "pool": node.pool,
+            }
+            for gpu in node.gpus
+        ],
+    )
+
+
+async def set_node_state(
+    uow: UnitOfWork, name: str, condition: NodeCondition | None, now: datetime
+) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'nodes')} SET state = :state, changed_at = :now WHERE name = :name",
+        {"name": name, "state": _UP if condition is None else condition.value, "now": now},
+    )
+
+
+async def delete_node(uow: UnitOfWork, name: str) -> None:
+    await uow.execute(f"DELETE FROM {_t(uow, 'gpus')} WHERE node = :name", {"name": name})
+    await uow.execute(f"DELETE FROM {_t(uow, 'nodes')} WHERE name = :name", {"name": name})
 
 
 def _groups(stored: Mapping[str, Any], field: str) -> tuple[tuple[int, ...], ...]:
@@ -234,51 +322,70 @@ def _job(row: Any) -> JobRecord:
         warnings=tuple(row.warnings),
         wait_audited=row.wait_audited,
         trace=dict(row.trace or {}),
+        latest_checkpoint=_checkpoint(row.latest_checkpoint),
+        latest_checkpoint_at=row.latest_checkpoint_at,
+        replica_target=row.replica_target,
+        replica_seq=row.replica_seq,
     )
 
 
-async def job_id_for_key(uow: UnitOfWork, team: str, key: str) -> str | None:
-    result = await uow.execute(
-        f"SELECT job_id FROM {_t(uow, 'jobs')} WHERE team = :team AND idempotency_key = :key",
-        {"team": team, "key": key},
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    job_id: str
+    spec: SubmitJob
+    warnings: Sequence[str]
+    submitted_at: datetime
+    state: JobState
+    trace: Mapping[str, str]
+
+
+async def job_ids_for_keys(
+    uow: UnitOfWork, keys: Iterable[tuple[str, str]]
+) -> dict[tuple[str, str], str]:
+    """The jobs already stored under these (team, idempotency key) pairs."""
+    pairs = list(keys)
+    if not pairs:
+        return {}
+    rows = await uow.execute(
+        f"SELECT j.team, j.idempotency_key, j.job_id FROM {_t(uow, 'jobs')} j "
+        "JOIN unnest(CAST(:teams AS text[]), CAST(:keys AS text[])) AS k (team, key) "
+        "ON j.team = k.team AND j.idempotency_key = k.key",
+        {"teams": [team for team, _ in pairs], "keys": [key for _, key in pairs]},
     )
-    job_id = result.scalar_one_or_none()
-    return None if job_id is None else str(job_id)
+    return {(row.team, row.idempotency_key): row.job_id for row in rows}
 
 
-async def insert_job(
-    uow: UnitOfWork,
-    job_id: str,
-    spec: SubmitJob,
-    warnings: Sequence[str],
-    now: datetime,
-    state: JobState = JobState.QUEUED,
-) -> bool:
-    """Store a new job (QUEUED, or HELD for approval); False if the team already used
-    its idempotency key."""
+async def insert_jobs(uow: UnitOfWork, jobs: Sequence[NewJob]) -> set[str]:
+    """Store new jobs in one statement; the ids stored (a job whose team already used
+    its idempotency key is not)."""
+    if not jobs:
+        return set()
     result = await uow.execute(
         f"INSERT INTO {_t(uow, 'jobs')} (job_id, name, team, kind, priority_class, spec, state, "
-        "idempotency_key, submitted_at, updated_at, warnings, trace) VALUES (:job_id, :name, "
-        ":team, :kind, :priority_class, CAST(:spec AS jsonb), :state, :key, :now, :now, "
-        "CAST(:warnings AS jsonb), CAST(:trace AS jsonb)) "
-        "ON CONFLICT (team, idempotency_key) DO NOTHING "
-        "RETURNING job_id",
+        "idempotency_key, submitted_at, updated_at, warnings, trace) "
+        "SELECT job_id, name, team, kind, priority_class, CAST(spec AS jsonb), state, key, at, "
+        "at, CAST(warnings AS jsonb), CAST(trace AS jsonb) FROM unnest(CAST(:ids AS text[]), "
+        "CAST(:names AS text[]), CAST(:teams AS text[]), CAST(:kinds AS text[]), "
+        "CAST(:classes AS text[]), CAST(:specs AS text[]), CAST(:states AS text[]), "
+        "CAST(:keys AS text[]), CAST(:ats AS timestamptz[]), CAST(:warnings AS text[]), "
+        "CAST(:traces AS text[])) AS n (job_id, name, team, kind, priority_class, spec, state, "
+        "key, at, warnings, trace) "
+        "ON CONFLICT (team, idempotency_key) DO NOTHING RETURNING job_id",
         {
-            "job_id": job_id,
-            "name": spec.name,
-            "team": spec.team,
-            "kind": spec.kind,
-            "priority_class": spec.priority_class,
-            "spec": spec.model_dump_json(),
-            "state": state,
-            "key": spec.idempotency_key,
-            "now": now,
-            "warnings": json.dumps(list(warnings)),
-            # The submit request's span: the job's trace starts here.
-            "trace": json.dumps(tracing.inject()),
+            "ids": [j.job_id for j in jobs],
+            "names": [j.spec.name for j in jobs],
+            "teams": [j.spec.team for j in jobs],
+            "kinds": [str(j.spec.kind) for j in jobs],
+            "classes": [str(j.spec.priority_class) for j in jobs],
+            "specs": [j.spec.model_dump_json() for j in jobs],
+            "states": [str(j.state) for j in jobs],
+            "keys": [j.spec.idempotency_key for j in jobs],
+            "ats": [j.submitted_at for j in jobs],
+            "warnings": [json.dumps(list(j.warnings)) for j in jobs],
+            "traces": [json.dumps(dict(j.trace)) for j in jobs],
         },
     )
-    return result.first() is not None
+    return {row.job_id for row in result}
 
 
 async def job(uow: UnitOfWork, job_id: str) -> JobRecord | None:
@@ -297,6 +404,29 @@ async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
     return [_job(row) for row in rows]
 
 
+async def queued_versions(uow: UnitOfWork) -> list[tuple[str, str]]:
+    """(job_id, row version) of the queued jobs in submission order. The version is the
+    row's xmin: any committed change to the row, by any replica, gives it a new one."""
+    rows = await uow.execute(
+        f"SELECT job_id, xmin::text AS version FROM {_t(uow, 'jobs')} WHERE state = :queued "
+        "ORDER BY submitted_at, job_id",
+        {"queued": JobState.QUEUED},
+    )
+    return [(row.job_id, row.version) for row in rows]
+
+
+async def queued_by_id(uow: UnitOfWork, job_ids: Sequence[str]) -> dict[str, tuple[str, JobRecord]]:
+    """These jobs, with their row versions, if they are still queued."""
+    if not job_ids:
+        return {}
+    rows = await uow.execute(
+        f"SELECT *, xmin::text AS version FROM {_t(uow, 'jobs')} "
+        "WHERE job_id = ANY(:ids) AND state = :queued",
+        {"ids": list(job_ids), "queued": JobState.QUEUED},
+    )
+    return {row.job_id: (row.version, _job(row)) for row in rows}
+
+
 async def count_jobs(uow: UnitOfWork) -> int:
     result = await uow.execute(f"SELECT count(*) FROM {_t(uow, 'jobs')}")
     return int(result.scalar_one())
@@ -311,26 +441,28 @@ async def mark_waiting(uow: UnitOfWork, job_ids: Sequence[str], now: datetime) -
         )
 
 
-async def job_started(
+async def jobs_started(
     uow: UnitOfWork,
-    job_id: str,
-    allocation_id: str,
-    attempt: int,
-    warnings: Sequence[str],
+    started: Sequence[tuple[str, str, int, Sequence[str]]],
     now: datetime,
 ) -> None:
-    await uow.execute(
+    """Jobs now running, as (job_id, allocation_id, attempt, warnings), in one statement."""
+    await _execute_many(
+        uow,
         f"UPDATE {_t(uow, 'jobs')} SET state = :state, allocation_id = :allocation_id, "
         "attempt = :attempt, warnings = CAST(:warnings AS jsonb), wait_audited = false, "
         "updated_at = :now WHERE job_id = :job_id",
-        {
-            "job_id": job_id,
-            "state": JobState.RUNNING,
-            "allocation_id": allocation_id,
-            "attempt": attempt,
-            "warnings": json.dumps(list(warnings)),
-            "now": now,
-        },
+        [
+            {
+                "job_id": job_id,
+                "state": JobState.RUNNING,
+                "allocation_id": allocation_id,
+                "attempt": attempt,
+                "warnings": json.dumps(list(warnings)),
+                "now": now,
+            }
+            for job_id, allocation_id, attempt, warnings in started
+        ],
     )
 
 
@@ -348,6 +480,68 @@ async def set_job_state(uow: UnitOfWork, job_id: str, state: JobState, now: date
             "keep_allocation": state is JobState.RUNNING,
             "reexamine": state is JobState.QUEUED,
         },
+    )
+
+
+async def record_checkpoint(
+    uow: UnitOfWork, job_id: str, checkpoint: CheckpointInfo, at: datetime
+) -> bool:
+    """Keep the job's newest confirmed checkpoint (by step); False if the job is unknown
+    or already has a later one."""
+    result = await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET latest_checkpoint = CAST(:checkpoint AS jsonb), "
+        "latest_checkpoint_at = :at WHERE job_id = :job_id AND (latest_checkpoint IS NULL "
+        "OR CAST(latest_checkpoint->>'step' AS bigint) <= :step) RETURNING job_id",
+        {
+            "job_id": job_id,
+            "checkpoint": checkpoint.model_dump_json(),
+            "at": at,
+            "step": checkpoint.step,
+        },
+    )
+    return result.first() is not None
+
+
+async def set_replica_target(uow: UnitOfWork, job_id: str, target: int, now: datetime) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET replica_target = :target, updated_at = :now "
+        "WHERE job_id = :job_id",
+        {"job_id": job_id, "target": target, "now": now},
+    )
+
+
+async def set_replica_seq(uow: UnitOfWork, job_id: str, seq: int) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET replica_seq = :seq WHERE job_id = :job_id",
+        {"job_id": job_id, "seq": seq},
+    )
+
+
+async def running_services(uow: UnitOfWork) -> list[JobRecord]:
+    """Running inference services (jobs with replicas), oldest first."""
+    # A literal, not a parameter, so the planner matches the partial index
+    # jobs_running_services (whose predicate spells the same state).
+    rows = await uow.execute(
+        f"SELECT * FROM {_t(uow, 'jobs')} WHERE state = '{JobState.RUNNING}' "
+        "AND jsonb_typeof(spec->'replicas') = 'object' ORDER BY submitted_at, job_id"
+    )
+    return [_job(row) for row in rows]
+
+
+async def live_allocations_of(uow: UnitOfWork, job_id: str) -> list[Allocation]:
+    """The job's live allocations (an inference service's replicas), oldest first."""
+    rows = await uow.execute(
+        f"SELECT * FROM {_t(uow, 'allocations')} WHERE job_id = :job_id "
+        "AND released_at IS NULL ORDER BY granted_at, allocation_id",
+        {"job_id": job_id},
+    )
+    return [_allocation(row) for row in rows]
+
+
+async def record_lost_work(uow: UnitOfWork, allocation_id: str, gpu_seconds: float) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'allocations')} SET lost_gpu_seconds = :lost WHERE allocation_id = :id",
+        {"id": allocation_id, "lost": gpu_seconds},
     )
 
 
@@ -376,28 +570,42 @@ def _allocation(row: Any) -> Allocation:
         model=row.model,
         pool=Pool(row.pool),
         borrowed=row.borrowed,
+        share=None if row.share is None else GpuShare(**row.share),
     )
 
 
-async def insert_allocation(uow: UnitOfWork, allocation: Allocation, attempt: int) -> None:
-    await uow.execute(
+def _share(allocation: Allocation) -> str | None:
+    share = allocation.share
+    return None if share is None else json.dumps(asdict(share))
+
+
+async def insert_allocations(
+    uow: UnitOfWork, allocations: Sequence[tuple[Allocation, int]]
+) -> None:
+    """Store new allocations, each with its job's attempt number, in one statement."""
+    await _execute_many(
+        uow,
         f"INSERT INTO {_t(uow, 'allocations')} (allocation_id, job_id, team, kind, "
-        "priority_class, model, pool, gpus, attempt, granted_at, borrowed) VALUES "
+        "priority_class, model, pool, gpus, attempt, granted_at, borrowed, share) VALUES "
         "(:allocation_id, :job_id, :team, :kind, :priority_class, :model, :pool, "
-        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed)",
-        {
-            "allocation_id": allocation.allocation_id,
-            "job_id": allocation.job_id,
-            "team": allocation.team,
-            "kind": allocation.kind,
-            "priority_class": allocation.priority_class,
-            "model": allocation.model,
-            "pool": allocation.pool,
-            "gpus": json.dumps([{"node": r.node, "index": r.index} for r in allocation.gpus]),
-            "attempt": attempt,
-            "granted_at": allocation.granted_at,
-            "borrowed": allocation.borrowed,
-        },
+        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed, CAST(:share AS jsonb))",
+        [
+            {
+                "allocation_id": allocation.allocation_id,
+                "job_id": allocation.job_id,
+                "team": allocation.team,
+                "kind": allocation.kind,
+                "priority_class": allocation.priority_class,
+                "model": allocation.model,
+                "pool": allocation.pool,
+                "gpus": json.dumps([{"node": r.node, "index": r.index} for r in allocation.gpus]),
+                "attempt": attempt,
+                "granted_at": allocation.granted_at,
+                "borrowed": allocation.borrowed,
+                "share": _share(allocation),
+            }
+            for allocation, attempt in allocations
+        ],
     )
 
 
@@ -452,3 +660,45 @@ async def claim_decision(uow: UnitOfWork, decision_id: str, kind: str, reservati
         {"d": decision_id, "k": kind, "r": reservation_id},
     )
     return result.first() is not None
+
+
+# --- reservations (a starving gang's hold on nodes) -----------------------------------
+
+
+def _reservation(row: Any) -> Reservation:
+    return Reservation(row.job_id, tuple(row.nodes), row.since, row.reason)
+
+
+async def reservations(uow: UnitOfWork) -> list[Reservation]:
+    rows = await uow.execute(f"SELECT * FROM {_t(uow, 'reservations')} ORDER BY since, job_id")
+    return [_reservation(row) for row in rows]
+
+
+async def reservation_of(uow: UnitOfWork, job_id: str) -> Reservation | None:
+    row = (
+        await uow.execute(
+            f"SELECT * FROM {_t(uow, 'reservations')} WHERE job_id = :id", {"id": job_id}
+        )
+    ).first()
+    return None if row is None else _reservation(row)
+
+
+async def insert_reservation(uow: UnitOfWork, reservation: Reservation) -> None:
+    await uow.execute(
+        f"INSERT INTO {_t(uow, 'reservations')} (job_id, nodes, since, reason) "
+        "VALUES (:job_id, CAST(:nodes AS jsonb), :since, :reason)",
+        {
+            "job_id": reservation.job_id,
+            "nodes": json.dumps(list(reservation.nodes)),
+            "since": reservation.since,
+            "reason": reservation.reason,
+        },
+    )
+
+
+async def delete_reservations(uow: UnitOfWork, job_ids: Sequence[str]) -> None:
+    if job_ids:
+        await uow.execute(
+            f"DELETE FROM {_t(uow, 'reservations')} WHERE job_id = ANY(:ids)",
+            {"ids": list(job_ids)},
+        )

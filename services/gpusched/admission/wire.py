@@ -7,9 +7,18 @@ from decimal import Decimal
 
 from gpusched.contracts import messages as m
 from gpusched.domain import ledger as d
-from gpusched.domain.inventory import GpuRef, Inventory
+from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec
 
 from .store import JobRecord
+
+
+def share(granted: d.AllocationGranted | d.Allocation) -> m.GpuShare | None:
+    held = granted.share
+    if held is None:
+        return None
+    return m.GpuShare(
+        milli=held.milli, memory_mib=held.memory_mib, mig_profile=held.profile, mig_slice=held.slice
+    )
 
 
 def gpus(refs: Iterable[GpuRef], ledger: d.Ledger) -> list[m.GpuRef]:
@@ -40,6 +49,7 @@ def allocation_granted(
         cpu_cores=cpu_cores,
         memory_gb=memory_gb,
         borrowed=granted.borrowed,
+        share=share(granted),
     )
 
 
@@ -53,6 +63,7 @@ def start_workload(
         gpus=gpus(granted.gpus, ledger),
         workload=job.spec.workload,
         resume_from=job.resume_from,
+        share=share(granted),
     )
 
 
@@ -70,16 +81,15 @@ def allocation_released(
 
 
 def inventory_loaded(inventory: Inventory) -> m.InventoryLoaded:
-    return m.InventoryLoaded(
-        nodes=[
-            m.InventoryNode(
-                name=node.name,
-                pool=node.pool,
-                # A node's GPUs share a model in every inventory format we read.
-                gpu_model=node.gpus[0].model,
-                gpus=len(node.gpus),
-                gpu_groups=[list(group) for group in node.gpu_groups],
-            )
-            for node in inventory.nodes
-        ]
+    return m.InventoryLoaded(nodes=[inventory_node(node) for node in inventory.nodes])
+
+
+def inventory_node(node: NodeSpec) -> m.InventoryNode:
+    return m.InventoryNode(
+        name=node.name,
+        pool=node.pool,
+        # A node's GPUs share a model in every inventory format we read.
+        gpu_model=node.gpus[0].model,
+        gpus=len(node.gpus),
+        gpu_groups=[list(group) for group in node.gpu_groups],
     )

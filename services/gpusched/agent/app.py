@@ -15,6 +15,7 @@ from gpusched.infra import bus
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
 from gpusched.simcluster.demand import SIM_DEMAND
+from gpusched.simcluster.faults import SIM_NODE_HEALTH
 
 NAME = "agent"
 SCHEMA = "agent"
@@ -41,7 +42,9 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
             edge_handlers={
                 T.START_WORKLOAD: agent.on_start,
                 T.EVICT_WORKLOAD: agent.on_evict,
+                T.MIG_CONFIGURE: agent.on_mig_configure,
                 SIM_DEMAND: agent.on_sim_demand,
+                SIM_NODE_HEALTH: agent.on_set_node_health,
             },
         )
     )

@@ -36,7 +36,12 @@ from gpusched.contracts.messages import (
     GpusReserved,
     GpusReturned,
     InferenceStats,
+    InventoryChanged,
     InventoryLoaded,
+    MigConfigure,
+    MigConfigured,
+    NodeChange,
+    NodeHealth,
     StartWorkload,
     StopReason,
     T,
@@ -48,6 +53,7 @@ from gpusched.domain.inventory import GpuRef
 from gpusched.infra.settings import AgentSettings
 from gpusched.simcluster.cluster import ClusterView, gpu_samples
 from gpusched.simcluster.demand import InferenceDemand
+from gpusched.simcluster.faults import SetNodeHealth
 from gpusched.simcluster.load import inference_load
 
 log = logging.getLogger(__name__)
@@ -104,6 +110,8 @@ class ClusterAgent:
         self.view = ClusterView()
         self.demand_gpus = 0.0
         self._running: dict[str, _Running] = {}
+        # The MIG layout of each GPU this (simulated) cluster was told to configure.
+        self.mig_layouts: dict[GpuRef, tuple[str, ...]] = {}
         self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
         self._tick = 0
         self._closing = False
@@ -190,14 +198,67 @@ class ClusterAgent:
             causation_id=envelope.id,
         )
 
+    async def on_mig_configure(self, envelope: Envelope) -> None:
+        """Apply a MIG layout change and report it. Simulated: the layout is recorded
+        (a real agent runs the MIG reconfiguration on the empty GPU admission chose)."""
+        command = envelope.payload(MigConfigure)
+        self.mig_layouts[GpuRef(command.node, command.gpu)] = tuple(command.profiles)
+        log.info(
+            "MIG layout of %s/%d is now %s",
+            command.node,
+            command.gpu,
+            "+".join(command.profiles) or "none",
+        )
+        await self._publisher.publish(
+            self._s.event("agent", T.MIG_CONFIGURED),
+            T.MIG_CONFIGURED,
+            MigConfigured(
+                change_id=command.change_id,
+                node=command.node,
+                gpu=command.gpu,
+                profiles=command.profiles,
+                applied_at=self._now(),
+            ),
+            correlation_id=command.change_id,
+            causation_id=envelope.id,
+            envelope_id=event_id(command.change_id, "mig"),
+        )
+
     async def on_sim_demand(self, envelope: Envelope) -> None:
         self.demand_gpus = envelope.payload(InferenceDemand).gpus
         log.info("simulated inference demand is now %.2f GPUs", self.demand_gpus)
+
+    async def on_set_node_health(self, envelope: Envelope) -> None:
+        """The simulated cluster is told a node broke (or was fixed): what ran there dies
+        with it, and the agent reports the node's health as a real agent would."""
+        command = envelope.payload(SetNodeHealth)
+        if not command.healthy:
+            await self._lose_node(command.node)
+        await self._publisher.publish(
+            self._s.event("agent", T.NODE_HEALTH),
+            T.NODE_HEALTH,
+            NodeHealth(
+                node=command.node,
+                healthy=command.healthy,
+                reason=command.reason,
+                time=self._now(),
+            ),
+            correlation_id=command.node,
+            causation_id=envelope.id,
+            envelope_id=event_id(command.node, "health", envelope.id),
+        )
 
     # --- admission's events: what exists and what serves inference ---------------------
     async def on_admission_event(self, envelope: Envelope) -> None:
         if envelope.type == T.INVENTORY_LOADED:
             self.view.apply_inventory(envelope.payload(InventoryLoaded).nodes)
+        elif envelope.type == T.INVENTORY_CHANGED:
+            changed = envelope.payload(InventoryChanged)
+            self.view.apply_node_change(changed.change, changed.node)
+            if changed.change in (NodeChange.FAILED, NodeChange.REMOVED):
+                # Admission has ended these allocations already (an operator failed the
+                # node): nothing of theirs may keep running.
+                await self._lose_node(changed.node.name)
         elif envelope.type == T.GPUS_RESERVED:
             reserved = envelope.payload(GpusReserved)
             self.view.apply_reserved(
@@ -279,6 +340,26 @@ class ClusterAgent:
             self._closed.set()
 
     # --- plumbing -----------------------------------------------------------------------
+    async def _lose_node(self, node: str) -> None:
+        """Stop every workload with a GPU on ``node`` without reporting it: the node's
+        failure is the news, and admission ends their allocations from it (a stop report
+        could otherwise settle a job as failed before the failure is known)."""
+        lost = [
+            entry
+            for entry in self._running.values()
+            if entry.phase is Phase.RUNNING and any(g.node == node for g in entry.start.gpus)
+        ]
+        for entry in lost:
+            entry.phase = Phase.STOPPING
+            exit_code = await entry.workload.stop(self._evict_grace_s)
+            await self._forget_watcher(entry)
+            alloc = entry.start.allocation_id
+            self._running.pop(alloc, None)
+            self._stopped[alloc] = _Stopped(
+                entry.start.job_id, StopReason.FAILED, self._now(), exit_code
+            )
+            log.info("job %s lost with node %s (allocation %s)", entry.start.job_id, node, alloc)
+
     def _make_workload(self, start: StartWorkload) -> Workload:
         if start.workload.kind == "process":
             return ProcessWorkload(

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from nats.aio.client import Client as NatsClient
 
-from gpusched.contracts.messages import StartWorkload, StopReason
+from gpusched.contracts.messages import GpuShare, StartWorkload, StopReason
 from gpusched.infra.supervisor import spawn_bound_child, terminate
 from gpusched.sdk import (
     AsyncJobClient,
@@ -69,6 +69,18 @@ class Workload(Protocol):
 
 def job_dir(workdir: Path, job_id: str) -> Path:
     return workdir / job_id
+
+
+def mps_environment(share: GpuShare | None) -> dict[str, str]:
+    """A fractional tenant's limits, the way NVIDIA MPS takes them: its compute share as
+    the active thread percentage (rounded up, so a small share still runs) and its memory
+    cap pinned on device 0, the one GPU it sees. A MIG slice is isolated by the hardware."""
+    if share is None or share.mig_profile is not None:
+        return {}
+    return {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(-(-share.milli // 10)),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={share.memory_mib}M",
+    }
 
 
 # ======================================================================================
@@ -237,6 +249,7 @@ class ProcessWorkload:
         # The agent's own GPUSCHED_* settings (database URL included) stay with the agent.
         env = {k: v for k, v in self._base_env.items() if not k.startswith("GPUSCHED_")}
         env.update(self._env.to_environ())
+        env.update(mps_environment(self._start.share))
         return env
 
     async def launch(self) -> None:

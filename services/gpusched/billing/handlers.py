@@ -24,6 +24,7 @@ from gpusched.contracts.messages import (
     ApiError,
     EvictionForced,
     GpuRef,
+    GpuShare,
 )
 from gpusched.domain.pricing import (
     MILLI_PER_GPU,
@@ -40,9 +41,11 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
 
 
-def gpu_milli_by_model(gpus: list[GpuRef]) -> dict[str, int]:
-    # A granted GpuRef is one whole GPU; fractional sharing would need a milli field
-    # on GpuRef, which the contract does not carry yet.
+def gpu_milli_by_model(gpus: list[GpuRef], share: GpuShare | None = None) -> dict[str, int]:
+    # A granted GpuRef is one whole GPU, unless the grant holds a share of its one GPU
+    # (a fraction, or a MIG slice: its compute slices / 7): then it is charged that share.
+    if share is not None:
+        return {gpu.model: share.milli for gpu in gpus[:1]}
     per_gpu = int(MILLI_PER_GPU)
     return {model: count * per_gpu for model, count in Counter(g.model for g in gpus).items()}
 
@@ -55,7 +58,7 @@ class LedgerHandlers:
 
     async def on_allocation_granted(self, envelope: Envelope, uow: UnitOfWork) -> None:
         granted = envelope.payload(AllocationGranted)
-        gpu_milli = gpu_milli_by_model(granted.gpus)
+        gpu_milli = gpu_milli_by_model(granted.gpus, granted.share)
         recorded = await store.record_opened(
             uow,
             allocation_id=granted.allocation_id,

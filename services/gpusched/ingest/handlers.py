@@ -12,7 +12,9 @@ from gpusched.contracts.messages import (
     GpusReserved,
     GpusReturned,
     InferenceStats,
+    InventoryChanged,
     InventoryLoaded,
+    NodeChange,
     PoolSnapshot,
     PoolState,
     ServiceState,
@@ -41,6 +43,14 @@ async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:
 async def on_inventory_loaded(envelope: Envelope, uow: UnitOfWork) -> None:
     inventory = envelope.payload(InventoryLoaded)
     await store.load_inventory(uow, inventory.nodes)
+
+
+async def on_inventory_changed(envelope: Envelope, uow: UnitOfWork) -> None:
+    changed = envelope.payload(InventoryChanged)
+    if changed.change in (NodeChange.ADDED, NodeChange.RECOVERED):
+        await store.add_node(uow, changed.node)
+    elif changed.change in (NodeChange.FAILED, NodeChange.REMOVED):
+        await store.remove_node(uow, changed.node.name)
 
 
 async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:

@@ -42,6 +42,21 @@ async def load_inventory(uow: UnitOfWork, nodes: Sequence[InventoryNode]) -> Non
     )
 
 
+async def add_node(uow: UnitOfWork, node: InventoryNode) -> None:
+    """A node joins (added, or back from a failure): its GPUs count in its pool again."""
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.gpu_pool (node, idx, pool) "
+        "SELECT :node, idx, :pool FROM generate_series(0, :gpus - 1) AS idx "
+        "ON CONFLICT (node, idx) DO UPDATE SET pool = EXCLUDED.pool",
+        {"node": node.name, "pool": node.pool, "gpus": node.gpus},
+    )
+
+
+async def remove_node(uow: UnitOfWork, name: str) -> None:
+    """A node failed or was removed: its GPUs leave every pool count."""
+    await uow.execute(f"DELETE FROM {uow.schema}.gpu_pool WHERE node = :node", {"node": name})
+
+
 async def mark_lent(
     uow: UnitOfWork, reservation_id: str, gpus: Iterable[WireGpuRef], pending: bool
 ) -> set[GpuRef]:

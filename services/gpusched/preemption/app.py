@@ -53,6 +53,7 @@ async def build(rt: ServiceRuntime) -> None:
             subjects=[s.events_of("admission")],
             handlers={
                 T.INVENTORY_LOADED: handlers.on_inventory_loaded,
+                T.INVENTORY_CHANGED: handlers.on_inventory_changed,
                 T.ALLOCATION_GRANTED: handlers.on_allocation_granted,
                 T.ALLOCATION_RELEASED: handlers.on_allocation_released,
                 T.GPUS_RESERVED: handlers.on_gpus_reserved,

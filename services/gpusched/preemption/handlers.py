@@ -36,7 +36,9 @@ from gpusched.contracts.messages import (
     EvictionWithdrawn,
     GpusReserved,
     GpusReturned,
+    InventoryChanged,
     InventoryLoaded,
+    NodeChange,
     PoolSnapshot,
     PriorityClassName,
     ReserveForInference,
@@ -68,6 +70,17 @@ async def on_allocation_granted(envelope: Envelope, uow: UnitOfWork) -> None:
 async def on_inventory_loaded(envelope: Envelope, uow: UnitOfWork) -> None:
     inventory = envelope.payload(InventoryLoaded)
     await store.replace_islands(uow, ((n.name, n.gpu_groups) for n in inventory.nodes))
+
+
+async def on_inventory_changed(envelope: Envelope, uow: UnitOfWork) -> None:
+    changed = envelope.payload(InventoryChanged)
+    node = changed.node
+    if changed.change is NodeChange.ADDED:
+        await store.replace_islands(uow, [(node.name, node.gpu_groups)])
+    elif changed.change is NodeChange.REMOVED:
+        await store.replace_islands(uow, [(node.name, [])])
+    # A failed node's allocations and lent GPUs end in their own events (released,
+    # returned), which keep the victim and reservation projections right.
 
 
 async def on_allocation_released(envelope: Envelope, uow: UnitOfWork) -> None:

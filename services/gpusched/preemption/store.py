@@ -130,7 +130,8 @@ async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
             "pc": granted.priority_class,
             "pool": granted.pool,
             "refs": json.dumps([[g.node, g.index] for g in granted.gpus]),
-            "gpus": len(granted.gpus),
+            # Whole GPUs held; 0 for a fraction or MIG slice of one GPU (see _candidate).
+            "gpus": 0 if granted.share is not None else len(granted.gpus),
             "ckpt": granted.checkpointable,
             # The grant's time: a resumed job's new allocation starts a new min runtime.
             "started": granted.granted_at,
@@ -166,8 +167,12 @@ async def record_checkpoint(uow: UnitOfWork, job_id: str, at: datetime) -> None:
 
 
 async def shared_allocated_gpus(uow: UnitOfWork) -> int:
+    # A GPU shared by fractional tenants counts once, however many tenants it has: it is
+    # not idle, and it is never lent.
     result = await uow.execute(
-        f"SELECT COALESCE(sum(gpus), 0) FROM {uow.schema}.allocations WHERE pool = :p",
+        f"SELECT COALESCE(sum(gpus), 0) + (SELECT count(DISTINCT gpu_refs) FROM "
+        f"{uow.schema}.allocations WHERE pool = :p AND gpus = 0) "
+        f"FROM {uow.schema}.allocations WHERE pool = :p",
         {"p": Pool.SHARED},
     )
     return int(result.scalar_one())
@@ -190,8 +195,9 @@ _POOLS = frozenset(pool.value for pool in Pool)
 
 def _candidate(row: Mapping[str, Any]) -> VictimCandidate | None:
     refs = tuple(GpuRef(node, index) for node, index in row["gpu_refs"])
-    if not refs or row["pool"] not in _POOLS:
-        # No GPUs to free, or a pool this version does not know: never a victim.
+    if not refs or row["pool"] not in _POOLS or row["gpus"] == 0:
+        # No GPUs to free, a pool this version does not know, or a share of a GPU
+        # (evicting one tenant frees no whole GPU; shared GPUs are never lent): never a victim.
         return None
     return VictimCandidate(
         row["allocation_id"],

@@ -25,7 +25,14 @@ def upgrade() -> None:
             cpu_milli  bigint NOT NULL,
             memory_mib bigint NOT NULL,
             -- GPU index groups: nvlink_islands and numa, each a list of lists
-            gpu_groups jsonb NOT NULL DEFAULT '{{}}'
+            gpu_groups jsonb NOT NULL DEFAULT '{{}}',
+            -- MIG on/off for the node's GPUs; NULL: as the GPU model's MIG table says
+            mig        boolean,
+            -- local disk in GiB; 0: not stated
+            disk_gib   bigint NOT NULL DEFAULT 0,
+            -- up, drained (no new placements) or failed (out of the placeable set)
+            state      text NOT NULL DEFAULT 'up',
+            changed_at timestamptz
         )
         """
     )
@@ -40,6 +47,12 @@ def upgrade() -> None:
             status         text NOT NULL,
             allocation_id  text,
             reservation_id text,
+            -- The MIG layout (profile names; empty: none) and its last change, which
+            -- rations changes to one per interval per GPU.
+            mig_layout        jsonb NOT NULL DEFAULT '[]'::jsonb,
+            layout_changed_at timestamptz,
+            -- Not yet reported applied by the cluster agent: its slices wait.
+            layout_pending    boolean NOT NULL DEFAULT false,
             -- A reservation on a GPU training still holds takes effect on its release.
             pending        boolean GENERATED ALWAYS AS
                                (reservation_id IS NOT NULL AND allocation_id IS NOT NULL) STORED,
@@ -68,11 +81,25 @@ def upgrade() -> None:
             wait_audited    boolean NOT NULL DEFAULT false,
             -- The submit's trace context: placements and evictions continue it.
             trace           jsonb NOT NULL DEFAULT '{{}}'::jsonb,
+            -- The newest checkpoint the job confirmed (its job events), and when: a
+            -- node failure requeues the job from it.
+            latest_checkpoint    jsonb,
+            latest_checkpoint_at timestamptz,
+            -- An inference service's replica target (NULL: its replicas.max) and the
+            -- number of its last replica allocation (<job>-r<N>).
+            replica_target  int,
+            replica_seq     int NOT NULL DEFAULT 0,
             UNIQUE (team, idempotency_key)
         )
         """
     )
     op.execute(f"CREATE INDEX jobs_by_state ON {s}.jobs (state, submitted_at)")
+    # Running inference services, which every scheduling pass tops up to their target:
+    # few rows among many running jobs.
+    op.execute(
+        f"CREATE INDEX jobs_running_services ON {s}.jobs (submitted_at, job_id) "
+        "WHERE state = 'running' AND jsonb_typeof(spec->'replicas') = 'object'"
+    )
     op.execute(
         f"""
         CREATE TABLE {s}.allocations (
@@ -93,7 +120,11 @@ def upgrade() -> None:
             eviction_outcome text,
             eviction_saga_id text,
             -- Granted beyond the team's guaranteed quota: preemption reclaims it first.
-            borrowed         boolean NOT NULL DEFAULT false
+            borrowed         boolean NOT NULL DEFAULT false,
+            -- Part of its one GPU (a fraction or a MIG slice): milli, memory_mib, profile, slice
+            share            jsonb,
+            -- GPU-seconds since the last confirmed checkpoint, when a node failure ended it.
+            lost_gpu_seconds double precision
         )
         """
     )
@@ -117,6 +148,18 @@ def upgrade() -> None:
             kind           text NOT NULL,
             reservation_id text NOT NULL,
             applied_at     timestamptz NOT NULL DEFAULT now()
+        )
+        """
+    )
+    op.execute(
+        f"""
+        CREATE TABLE {s}.reservations (
+            -- A starving gang's hold on nodes (one row while it lasts): freeing GPUs
+            -- there are kept for it while backfill uses the other nodes.
+            job_id text PRIMARY KEY REFERENCES {s}.jobs (job_id),
+            nodes  jsonb NOT NULL,
+            since  timestamptz NOT NULL,
+            reason text NOT NULL
         )
         """
     )

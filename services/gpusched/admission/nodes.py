@@ -1,0 +1,512 @@
+"""Inventory changes: nodes added, drained, failed, recovered and removed.
+
+Each change holds the ledger (see keeper) for its whole transaction, applies itself to
+the in-memory ledger, writes the node's row and GPU slots, emits `inventory.changed`
+(and, for a failure, the allocation releases and returned reservations it causes) and
+audits it, all in one unit of work. Operators ask through `<p>.api.nodes.<verb>`; the
+cluster agent reports node health as an event, which takes the same failure path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from gpusched.contracts.envelope import Envelope, utcnow
+from gpusched.contracts.messages import (
+    AddNode,
+    ApiError,
+    CheckpointConfirmed,
+    CheckpointInfo,
+    GpusReturned,
+    InventoryChanged,
+    ListNodes,
+    NodeChange,
+    NodeCommand,
+    NodeHealth,
+    NodeReply,
+    NodeState,
+    NodeVerb,
+    NodeView,
+    ReloadInventory,
+    T,
+)
+from gpusched.domain import ledger as d
+from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
+from gpusched.domain.ledger import Ledger, NodeCondition
+from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
+
+from . import replicas, store, wire
+from .catalog import Catalog, ErrorCode
+from .keeper import LedgerKeeper
+from .queue import JobState
+
+M = TypeVar("M", bound=BaseModel)
+
+# The release reason an allocation ended by its node's failure carries on the wire.
+NODE_FAILED = "node_failed"
+
+
+class NodeErrorCode(StrEnum):
+    UNKNOWN_NODE = "unknown_node"
+    DUPLICATE_NODE = "duplicate_node"
+    INVALID_SPEC = "invalid_node_spec"
+    # The command does not apply to the node's state (e.g. undrain a node that is up).
+    WRONG_STATE = "wrong_node_state"
+    NODE_BUSY = "node_busy"
+    INVENTORY_UNAVAILABLE = "inventory_unavailable"
+
+
+_STATE = {
+    None: NodeState.UP,
+    NodeCondition.DRAINED: NodeState.DRAINED,
+    NodeCondition.FAILED: NodeState.FAILED,
+}
+
+# What each operator command needs the node to be, and what it makes of it.
+_TRANSITIONS: dict[NodeChange, tuple[tuple[NodeCondition | None, ...], NodeCondition | None]] = {
+    NodeChange.DRAINED: ((None,), NodeCondition.DRAINED),
+    NodeChange.UNDRAINED: ((NodeCondition.DRAINED,), None),
+    NodeChange.FAILED: ((None, NodeCondition.DRAINED), NodeCondition.FAILED),
+    NodeChange.RECOVERED: ((NodeCondition.FAILED,), None),
+}
+
+
+class NodeRefused(Exception):
+    """A well-formed node request the ledger's state refuses; nothing is changed."""
+
+    def __init__(self, code: StrEnum, message: str) -> None:
+        super().__init__(message)
+        self.error = ApiError(code=code, message=message)
+
+
+@dataclass(frozen=True, slots=True)
+class FailureOutcome:
+    ended: tuple[str, ...]  # allocation ids
+    lost_gpu_seconds: float
+    unreserved: int
+
+
+def lost_gpu_seconds(
+    gpus: int, granted_at: datetime, checkpoint_at: datetime | None, failed_at: datetime
+) -> float:
+    """Work a failure destroys: GPUs x time since the later of the grant and the last
+    confirmed checkpoint (a checkpoint from an earlier attempt saves nothing of this one)."""
+    since = granted_at if checkpoint_at is None else max(granted_at, checkpoint_at)
+    return gpus * max((failed_at - since).total_seconds(), 0.0)
+
+
+def newest_checkpoint(*checkpoints: CheckpointInfo | None) -> CheckpointInfo | None:
+    known = [c for c in checkpoints if c is not None]
+    return max(known, key=lambda c: c.step) if known else None
+
+
+class NodeOps:
+    def __init__(
+        self,
+        uow: UnitOfWorkFactory,
+        keeper: LedgerKeeper,
+        catalog: Catalog,
+        kick: Callable[[], None],
+        read_inventory: Callable[[], Inventory],
+    ) -> None:
+        self._uow = uow
+        self._keeper = keeper
+        self._catalog = catalog
+        self._kick = kick
+        self._read_inventory = read_inventory
+
+    # --- the operator's API (request/reply) ---------------------------------------------
+
+    async def add(self, raw: bytes) -> NodeReply:
+        request = _parse(AddNode, raw)
+        if isinstance(request, NodeReply):
+            return request
+        try:
+            specs = parse_inventory({"nodes": [request.spec]}).nodes
+        except InventoryError as exc:
+            return _refused(NodeErrorCode.INVALID_SPEC, f"invalid node spec: {exc}")
+        return await self._decide(
+            request.operator, f"node.{NodeVerb.ADD}", lambda uow, ledger: self._add_all(
+                uow, ledger, specs, _why(request.operator, request.reason, "added")
+            ),
+        )  # fmt: skip
+
+    async def reload(self, raw: bytes) -> NodeReply:
+        request = _parse(ReloadInventory, raw)
+        if isinstance(request, NodeReply):
+            return request
+        try:
+            inventory = self._read_inventory()
+        except (RuntimeError, InventoryError) as exc:
+            return _refused(NodeErrorCode.INVENTORY_UNAVAILABLE, str(exc))
+        reason = _why(request.operator, request.reason, "inventory file reloaded")
+
+        async def apply(uow: UnitOfWork, ledger: Ledger) -> NodeReply:
+            stored = {node.name: node for node in self._keeper.inventory.nodes}
+            new = [node for node in inventory.nodes if node.name not in stored]
+            notes = [
+                f"node {node.name} differs from the file; it is left as stored "
+                f"(remove it and add it again to change it)"
+                for node in inventory.nodes
+                if node.name in stored and node != stored[node.name]
+            ]
+            listed = {node.name for node in inventory.nodes}
+            notes += [
+                f"node {name} is stored but not in the file; `gpusched node remove {name}` "
+                "removes it once it is empty"
+                for name in sorted(set(stored) - listed)
+            ]
+            reply = await self._add_all(uow, ledger, new, reason) if new else NodeReply(ok=True)
+            return reply.model_copy(update={"notes": notes})
+
+        return await self._decide(request.operator, f"node.{NodeVerb.RELOAD}", apply)
+
+    async def drain(self, raw: bytes) -> NodeReply:
+        return await self._change(raw, NodeVerb.DRAIN, NodeChange.DRAINED)
+
+    async def undrain(self, raw: bytes) -> NodeReply:
+        return await self._change(raw, NodeVerb.UNDRAIN, NodeChange.UNDRAINED)
+
+    async def fail(self, raw: bytes) -> NodeReply:
+        return await self._change(raw, NodeVerb.FAIL, NodeChange.FAILED)
+
+    async def recover(self, raw: bytes) -> NodeReply:
+        return await self._change(raw, NodeVerb.RECOVER, NodeChange.RECOVERED)
+
+    async def remove(self, raw: bytes) -> NodeReply:
+        request = _parse(NodeCommand, raw)
+        if isinstance(request, NodeReply):
+            return request
+
+        async def apply(uow: UnitOfWork, ledger: Ledger) -> NodeReply:
+            spec = self._spec(ledger, request.node)
+            view = _view(ledger, spec)
+            try:
+                ledger.remove_node(spec.name)
+            except d.NodeBusy as exc:
+                raise NodeRefused(NodeErrorCode.NODE_BUSY, str(exc)) from None
+            await store.delete_node(uow, spec.name)
+            self._set_inventory(
+                Inventory(tuple(n for n in self._keeper.inventory.nodes if n.name != spec.name))
+            )
+            reason = _why(request.operator, request.reason, "removed")
+            await self._announce(uow, NodeChange.REMOVED, spec, None, reason)
+            return NodeReply(ok=True, nodes=[view.model_copy(update={"allocations": []})])
+
+        return await self._decide(request.operator, f"node.{NodeVerb.REMOVE}", apply)
+
+    async def list_nodes(self, raw: bytes) -> NodeReply:
+        request = _parse(ListNodes, raw)
+        if isinstance(request, NodeReply):
+            return request
+        async with self._uow() as uow:
+            ledger = await self._keeper.read(uow)
+            return NodeReply(
+                ok=True, nodes=[_view(ledger, spec) for spec in self._keeper.inventory.nodes]
+            )
+
+    # --- events -------------------------------------------------------------------------
+
+    async def on_node_health(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """The cluster agent's report: an unhealthy node fails, a healthy failed one
+        recovers; a report that changes nothing is not news."""
+        health = envelope.payload(NodeHealth)
+        ledger = await self._keeper.hold(uow)
+        if health.node not in ledger.nodes:
+            await uow.audit(
+                "node.health_ignored",
+                entity=health.node,
+                reason="the agent reports a node the inventory does not have",
+                details={"healthy": health.healthy, "reason": health.reason},
+                causation_id=envelope.id,
+            )
+            return
+        condition = ledger.node_condition(health.node)
+        reason = f"cluster agent: {health.reason or ('healthy' if health.healthy else 'failed')}"
+        if not health.healthy and condition is not NodeCondition.FAILED:
+            await self._apply(uow, ledger, health.node, NodeChange.FAILED, reason, envelope.id)
+        elif health.healthy and condition is NodeCondition.FAILED:
+            await self._apply(uow, ledger, health.node, NodeChange.RECOVERED, reason, envelope.id)
+        else:
+            return
+        self._kick()
+
+    async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """Remember each job's newest confirmed checkpoint: a node failure requeues the
+        job from it. Job events carry the job id as their correlation id."""
+        confirmed = envelope.payload(CheckpointConfirmed)
+        if envelope.correlation_id is None:
+            return
+        checkpoint = CheckpointInfo(
+            checkpoint_id=confirmed.checkpoint_id,
+            step=confirmed.step,
+            uri=confirmed.uri,
+            bytes=confirmed.bytes,
+            sha256=confirmed.sha256,
+            stage=confirmed.stage,
+        )
+        await store.record_checkpoint(uow, envelope.correlation_id, checkpoint, envelope.time)
+
+    # --- the changes ----------------------------------------------------------------------
+
+    async def _change(self, raw: bytes, verb: NodeVerb, change: NodeChange) -> NodeReply:
+        request = _parse(NodeCommand, raw)
+        if isinstance(request, NodeReply):
+            return request
+
+        async def apply(uow: UnitOfWork, ledger: Ledger) -> NodeReply:
+            spec = self._spec(ledger, request.node)
+            reason = _why(request.operator, request.reason, change.value)
+            await self._apply(uow, ledger, spec.name, change, reason, None)
+            return NodeReply(ok=True, nodes=[_view(ledger, spec)])
+
+        return await self._decide(request.operator, f"node.{verb}", apply)
+
+    async def _apply(
+        self,
+        uow: UnitOfWork,
+        ledger: Ledger,
+        node: str,
+        change: NodeChange,
+        reason: str,
+        causation_id: str | None,
+    ) -> None:
+        allowed, target = _TRANSITIONS[change]
+        current = ledger.node_condition(node)
+        if current not in allowed:
+            raise NodeRefused(
+                NodeErrorCode.WRONG_STATE,
+                f"node {node} is {_STATE[current]}: it cannot be {change} "
+                f"(only a node that is {' or '.join(_STATE[c] for c in allowed)})",
+            )
+        failure = None
+        if change is NodeChange.FAILED:
+            failure = await self._end_everything_on(uow, ledger, node, causation_id)
+        ledger.set_condition(node, target)
+        now = utcnow()
+        await store.set_node_state(uow, node, target, now)
+        spec = self._keeper.inventory.node(node)
+        await self._announce(uow, change, spec, _STATE[target], reason, causation_id, failure)
+
+    async def _end_everything_on(
+        self, uow: UnitOfWork, ledger: Ledger, node: str, causation_id: str | None
+    ) -> FailureOutcome:
+        """A failed node runs nothing: every allocation on it ends (training is requeued
+        from its newest checkpoint, inference re-placed), and GPUs lent to inference
+        there go back, so the controller can lend others."""
+        now = utcnow()
+        ended: list[str] = []
+        lost_total = 0.0
+        for allocation in ledger.allocations_on_node(node):
+            released = ledger.release(allocation.allocation_id, max(now, allocation.granted_at))
+            await store.release_allocation(
+                uow, allocation.allocation_id, released.released_at, NODE_FAILED
+            )
+            await self._keeper.save(uow, released.gpus)
+            await uow.emit(
+                uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
+                T.ALLOCATION_RELEASED,
+                wire.allocation_released(released, NODE_FAILED, ledger),
+                correlation_id=allocation.job_id,
+                causation_id=causation_id,
+            )
+            lost_total += await self._requeue(uow, allocation, node, now, causation_id)
+            ended.append(allocation.allocation_id)
+        lent = [ref for ref in ledger.node_gpus(node) if ledger.gpu(ref).reserved_for is not None]
+        if lent:
+            by_reservation: dict[str, list[d.GpuRef]] = {}
+            for ref in lent:
+                by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
+            returned = ledger.return_to_shared(gpus=lent)
+            await self._keeper.save(uow, returned.gpus)
+            for reservation_id, refs in sorted(by_reservation.items()):
+                await uow.emit(
+                    uow.subjects.event(uow.source, T.GPUS_RETURNED),
+                    T.GPUS_RETURNED,
+                    GpusReturned(reservation_id=reservation_id, gpus=wire.gpus(refs, ledger)),
+                    causation_id=causation_id,
+                )
+        return FailureOutcome(tuple(ended), lost_total, len(lent))
+
+    async def _requeue(
+        self,
+        uow: UnitOfWork,
+        allocation: d.Allocation,
+        node: str,
+        now: datetime,
+        causation_id: str | None,
+    ) -> float:
+        job = await store.job(uow, allocation.job_id)
+        if job is not None and job.spec.replicas is not None:
+            await replicas.after_loss(uow, job, allocation.allocation_id, node, now, causation_id)
+            return 0.0
+        if job is None or job.allocation_id != allocation.allocation_id:
+            return 0.0  # an older attempt's allocation; the job has moved on
+        lost = 0.0
+        details: dict[str, Any] = {"allocation_id": allocation.allocation_id, "node": node}
+        if job.kind is d.JobKind.TRAINING:
+            resume_from = newest_checkpoint(job.resume_from, job.latest_checkpoint)
+            if resume_from is not None and resume_from != job.resume_from:
+                await store.set_resume_from(uow, job.job_id, resume_from, now)
+            checkpoint_at = (
+                job.latest_checkpoint_at
+                if resume_from is not None and resume_from == job.latest_checkpoint
+                else None
+            )
+            lost = lost_gpu_seconds(len(allocation.gpus), allocation.granted_at, checkpoint_at, now)
+            await store.record_lost_work(uow, allocation.allocation_id, lost)
+            resumes = "the start (no checkpoint)"
+            if resume_from is not None:
+                resumes = f"checkpoint {resume_from.checkpoint_id} (step {resume_from.step})"
+            details |= {
+                "resume_from": None if resume_from is None else resume_from.checkpoint_id,
+                "lost_gpu_seconds": round(lost, 3),
+                "gpus": len(allocation.gpus),
+            }
+            await uow.audit(
+                "work.lost",
+                entity=job.job_id,
+                reason=f"node {node} failed: {lost:.0f} GPU-seconds since the last confirmed "
+                "checkpoint are lost",
+                details=details,
+                causation_id=causation_id,
+            )
+            reason = f"node {node} failed; requeued to resume from {resumes}"
+        else:
+            reason = f"node {node} failed; requeued to be placed again"
+        await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
+        await uow.audit(
+            "job.requeued", entity=job.job_id, reason=reason, details=details,
+            causation_id=causation_id,
+        )  # fmt: skip
+        return lost
+
+    async def _add_all(
+        self, uow: UnitOfWork, ledger: Ledger, specs: Sequence[NodeSpec],
+        reason: str,
+    ) -> NodeReply:  # fmt: skip
+        known = set(ledger.nodes)
+        for spec in specs:
+            if spec.name in known:
+                raise NodeRefused(NodeErrorCode.DUPLICATE_NODE, f"node {spec.name} already exists")
+        now = utcnow()
+        for spec in specs:
+            ledger.add_node(spec)
+            await store.insert_node(uow, spec, now)
+            self._set_inventory(Inventory((*self._keeper.inventory.nodes, spec)))
+            await self._announce(uow, NodeChange.ADDED, spec, NodeState.UP, reason)
+        return NodeReply(ok=True, nodes=[_view(ledger, spec) for spec in specs])
+
+    async def _announce(
+        self,
+        uow: UnitOfWork,
+        change: NodeChange,
+        spec: NodeSpec,
+        state: NodeState | None,
+        reason: str,
+        causation_id: str | None = None,
+        failure: FailureOutcome | None = None,
+    ) -> None:
+        await uow.emit(
+            uow.subjects.event(uow.source, T.INVENTORY_CHANGED),
+            T.INVENTORY_CHANGED,
+            InventoryChanged(
+                change=change, node=wire.inventory_node(spec), state=state, reason=reason
+            ),
+            correlation_id=spec.name,
+            causation_id=causation_id,
+        )
+        details: dict[str, Any] = {
+            "pool": spec.pool,
+            "gpus": len(spec.gpus),
+            "gpu_model": spec.gpus[0].model,
+            "state": state,
+        }
+        text = reason
+        if failure is not None:
+            details |= {
+                "allocations_ended": list(failure.ended),
+                "lost_gpu_seconds": round(failure.lost_gpu_seconds, 3),
+                "unreserved_gpus": failure.unreserved,
+            }
+            text += f"; ended {len(failure.ended)} allocation(s)"
+        await uow.audit(
+            f"node.{change}", entity=spec.name, reason=text, details=details,
+            causation_id=causation_id,
+        )  # fmt: skip
+
+    async def _decide(
+        self,
+        operator: str,
+        action: str,
+        apply: Callable[[UnitOfWork, Ledger], Awaitable[NodeReply]],
+    ) -> NodeReply:
+        """Run one operator change under the ledger lock: committed whole, or refused
+        with nothing changed but the audit record of the refusal."""
+        async with self._uow() as uow:
+            ledger = await self._keeper.hold(uow)
+            inventory = self._keeper.inventory
+            try:
+                reply = await apply(uow, ledger)
+            except NodeRefused as exc:
+                # Checked before any change, so the ledger in memory is as committed.
+                assert self._keeper.inventory is inventory
+                await uow.audit(
+                    f"{action}.refused",
+                    entity=operator,
+                    reason=f"{exc.error.code}: {exc.error.message}",
+                )
+                await uow.commit()
+                return NodeReply(ok=False, error=exc.error)
+            await uow.commit()
+        self._catalog.follow(self._keeper.inventory)
+        self._kick()
+        return reply
+
+    def _spec(self, ledger: Ledger, name: str) -> NodeSpec:
+        if name not in ledger.nodes:
+            raise NodeRefused(NodeErrorCode.UNKNOWN_NODE, f"no node {name!r} in the inventory")
+        return self._keeper.inventory.node(name)
+
+    def _set_inventory(self, inventory: Inventory) -> None:
+        self._keeper.set_inventory(inventory)
+
+
+def _view(ledger: Ledger, spec: NodeSpec) -> NodeView:
+    present = spec.name in ledger.nodes
+    return NodeView(
+        name=spec.name,
+        pool=spec.pool,
+        gpu_model=spec.gpus[0].model,
+        gpus=len(spec.gpus),
+        cpu_milli=spec.cpu_milli,
+        memory_mib=spec.memory_mib,
+        disk_gib=spec.disk_gib,
+        state=_STATE[ledger.node_condition(spec.name)] if present else NodeState.UP,
+        allocations=[a.allocation_id for a in ledger.allocations_on_node(spec.name)]
+        if present
+        else [],
+    )
+
+
+def _why(operator: str, reason: str, what: str) -> str:
+    return f"{operator}: {what}" + (f" ({reason})" if reason else "")
+
+
+def _parse(model: type[M], raw: bytes) -> M | NodeReply:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
+        return _refused(ErrorCode.INVALID, f"{where}: {first.get('msg', 'invalid')}")
+
+
+def _refused(code: StrEnum, message: str) -> NodeReply:
+    return NodeReply(ok=False, error=ApiError(code=code, message=message))

@@ -1,0 +1,262 @@
+"""Inference services with replicas: each replica is its own allocation (`<job>-r<N>`),
+granted and released with the usual events, so the agent starts and stops each and
+billing meters each, unchanged.
+
+The scheduling pass places a service's replicas one by one through the same `find` that
+places every job (so fractional and MIG placement apply to replicas too): up to `min`
+all or nothing, like a gang, then more up to the target as they fit. The target starts
+at `max`; `gpusched scale` moves it inside [min, max], and a scale-down releases the
+newest replicas first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from datetime import datetime
+from enum import StrEnum
+from typing import TypeVar
+
+from pydantic import ValidationError
+
+from gpusched.contracts.envelope import utcnow
+from gpusched.contracts.messages import (
+    ApiError,
+    EvictWorkload,
+    ReplicaView,
+    ScaleJob,
+    ScaleReply,
+    StopReason,
+    T,
+    WorkloadStopped,
+)
+from gpusched.domain import ledger as d
+from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
+
+from . import store, wire
+from .catalog import ErrorCode, refuse
+from .keeper import LedgerKeeper
+from .queue import JobState
+
+G = TypeVar("G")
+
+# The release reason of a replica a scale-down ended.
+SCALED_DOWN = "scaled_down"
+
+
+class ScaleErrorCode(StrEnum):
+    NOT_A_SERVICE = "not_a_service"
+    OUT_OF_RANGE = "replicas_out_of_range"
+
+
+def replica_id(job_id: str, number: int) -> str:
+    return f"{job_id}-r{number}"
+
+
+def replica_number(allocation_id: str) -> int:
+    """N of `<job>-r<N>`; 0 for an allocation that is not a replica's."""
+    _, _, number = allocation_id.rpartition("-r")
+    return int(number) if number.isdigit() else 0
+
+
+def newest_first(allocation_ids: Iterable[str]) -> list[str]:
+    return sorted(allocation_ids, key=replica_number, reverse=True)
+
+
+def place_replicas(
+    at_least: int, up_to: int, place_one: Callable[[], G | None], undo: Callable[[G], None]
+) -> tuple[list[G], list[G]]:
+    """Place ``at_least`` replicas all or nothing, then more up to ``up_to`` while they
+    fit. Returns (placed, undone): a short gang is undone whole, never left half placed.
+    """
+    placed: list[G] = []
+    while len(placed) < up_to:
+        one = place_one()
+        if one is None:
+            break
+        placed.append(one)
+    if len(placed) < at_least:
+        for one in reversed(placed):
+            undo(one)
+        return [], placed
+    return placed, []
+
+
+def view(job: store.JobRecord, live: Sequence[str]) -> ReplicaView | None:
+    replicas = job.spec.replicas
+    if replicas is None:
+        return None
+    return ReplicaView(
+        min=replicas.min,
+        max=replicas.max,
+        target=job.replicas_wanted,
+        placed=len(live),
+        allocation_ids=sorted(live, key=replica_number),
+    )
+
+
+def live_replicas(ledger: d.Ledger, job_id: str) -> list[str]:
+    return [a.allocation_id for a in ledger.allocations.values() if a.job_id == job_id]
+
+
+def waiting_words(job: store.JobRecord, ledger: d.Ledger) -> str:
+    """Why a queued service waits, beyond what one replica's placement says."""
+    replicas = job.spec.replicas
+    assert replicas is not None
+    live = len(live_replicas(ledger, job.job_id))
+    return (
+        f"an inference service: its min {replicas.min} replicas of {job.spec.gpus.count} GPU(s) "
+        f"each are placed together or not at all ({live} running); then more up to its "
+        f"target {job.replicas_wanted} as GPUs of the inference pool or lent to it free up"
+    )
+
+
+async def settle_stopped(
+    uow: UnitOfWork,
+    job: store.JobRecord,
+    stopped: WorkloadStopped,
+    causation_id: str,
+    now: datetime,
+) -> None:
+    """One replica's workload ended (its allocation is released already). An evicted one
+    is replaced while the service's target stands; one that completed or failed lowers
+    the target, and the service ends with its last replica."""
+    live = await _stored_live(uow, job.job_id)
+    replicas = job.spec.replicas
+    assert replicas is not None  # callers route only services here
+    details = {"allocation_id": stopped.allocation_id, "live": len(live)}
+    if stopped.reason is StopReason.EVICTED:
+        state = JobState.QUEUED if len(live) < replicas.min else job.state
+        reason = f"replica {stopped.allocation_id} evicted; it is placed again"
+    else:
+        target = max(len(live), 1)
+        await store.set_replica_target(uow, job.job_id, min(target, job.replicas_wanted), now)
+        finished = JobState.COMPLETED if stopped.reason is StopReason.COMPLETED else JobState.FAILED
+        state = job.state if live else finished
+        reason = f"replica {stopped.allocation_id} {stopped.reason}; {len(live)} replica(s) live"
+    if state is not job.state:
+        await store.set_job_state(uow, job.job_id, state, now)
+    await uow.audit(
+        "job.replica_stopped", entity=job.job_id, reason=reason, details=details,
+        causation_id=causation_id,
+    )  # fmt: skip
+
+
+async def after_loss(
+    uow: UnitOfWork,
+    job: store.JobRecord,
+    allocation_id: str,
+    node: str,
+    now: datetime,
+    causation_id: str | None,
+) -> None:
+    """A replica ended with its node: the pass places it again elsewhere (all of the
+    missing ones up to min together, as at the start)."""
+    live = await _stored_live(uow, job.job_id)
+    replicas = job.spec.replicas
+    assert replicas is not None
+    if len(live) < replicas.min and job.state is JobState.RUNNING:
+        await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
+    await uow.audit(
+        "job.replica_lost",
+        entity=job.job_id,
+        reason=f"node {node} failed: replica {allocation_id} ended; it is placed again "
+        f"({len(live)} of target {job.replicas_wanted} live)",
+        details={"allocation_id": allocation_id, "node": node, "live": len(live)},
+        causation_id=causation_id,
+    )
+
+
+async def _stored_live(uow: UnitOfWork, job_id: str) -> list[str]:
+    # The rows, not the ledger: the caller released the replica in this transaction.
+    return [a.allocation_id for a in await store.live_allocations_of(uow, job_id)]
+
+
+class ReplicaOps:
+    """The scale request (`<p>.api.jobs.scale`)."""
+
+    def __init__(
+        self, uow: UnitOfWorkFactory, keeper: LedgerKeeper, kick: Callable[[], None]
+    ) -> None:
+        self._uow = uow
+        self._keeper = keeper
+        self._kick = kick
+
+    async def scale(self, raw: bytes) -> ScaleReply:
+        try:
+            request = ScaleJob.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
+            message = f"{where}: {first.get('msg', 'invalid')}"
+            return ScaleReply(ok=False, error=refuse(ErrorCode.INVALID, message))
+        async with self._uow() as uow:
+            ledger = await self._keeper.hold(uow)
+            job = await store.job(uow, request.job_id)
+            if job is None:
+                return ScaleReply(
+                    ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            replicas = job.spec.replicas
+            if replicas is None:
+                return ScaleReply(
+                    ok=False,
+                    error=ApiError(
+                        code=ScaleErrorCode.NOT_A_SERVICE,
+                        message=f"job {job.job_id} has no replicas: only an inference service "
+                        "submitted with replicas {min, max} can be scaled",
+                    ),
+                )
+            if not replicas.min <= request.replicas <= replicas.max:
+                return ScaleReply(
+                    ok=False,
+                    error=ApiError(
+                        code=ScaleErrorCode.OUT_OF_RANGE,
+                        message=f"{request.replicas} replicas is outside job {job.job_id}'s "
+                        f"range [{replicas.min}, {replicas.max}]",
+                    ),
+                )
+            now = utcnow()
+            live = live_replicas(ledger, job.job_id)
+            before = job.replicas_wanted
+            await store.set_replica_target(uow, job.job_id, request.replicas, now)
+            ended = newest_first(live)[: max(len(live) - request.replicas, 0)]
+            for allocation_id in ended:
+                await self._release(uow, ledger, job.job_id, allocation_id, now)
+            left = [a for a in live if a not in ended]
+            await uow.audit(
+                "job.scaled",
+                entity=job.job_id,
+                reason=f"replica target {before} -> {request.replicas}"
+                + (f"; released {', '.join(ended)}" if ended else ""),
+                details={"from": before, "to": request.replicas, "released": ended},
+            )
+            await uow.commit()
+        self._kick()
+        return ScaleReply(
+            ok=True, replicas=view(replace(job, replica_target=request.replicas), left)
+        )
+
+    async def _release(
+        self, uow: UnitOfWork, ledger: d.Ledger, job_id: str, allocation_id: str, now: datetime
+    ) -> None:
+        allocation = ledger.allocation(allocation_id)
+        released = ledger.release(allocation_id, max(now, allocation.granted_at))
+        await store.release_allocation(uow, allocation_id, released.released_at, SCALED_DOWN)
+        await self._keeper.save(uow, released.gpus)
+        await uow.emit(
+            uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
+            T.ALLOCATION_RELEASED,
+            wire.allocation_released(released, SCALED_DOWN, ledger),
+            correlation_id=job_id,
+        )
+        # The agent stops the replica's workload; its stop report then finds the
+        # allocation released already (the eviction id names no saga).
+        await uow.emit(
+            uow.subjects.command("agent", T.EVICT_WORKLOAD),
+            T.EVICT_WORKLOAD,
+            EvictWorkload(
+                allocation_id=allocation_id, job_id=job_id, saga_id=f"scale-{allocation_id}"
+            ),
+            correlation_id=job_id,
+        )

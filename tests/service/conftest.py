@@ -1,0 +1,31 @@
+"""Fixtures shared by the service tests.
+
+A module that uses ``admission`` or ``client`` defines ``admission_settings`` (usually
+``with_inventory(settings, tmp_path, ITS_INVENTORY)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from tests.support.admission import Admission, Client, start_admission
+
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra.settings import Settings
+
+
+@pytest.fixture
+async def admission(admission_settings: Settings) -> AsyncIterator[Admission]:
+    running = await start_admission(admission_settings)
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def client(admission_settings: Settings) -> AsyncIterator[Client]:
+    assert admission_settings.nats_url is not None
+    nc = await nats.connect(admission_settings.nats_url)
+    yield Client(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
+    await nc.drain()
