@@ -259,21 +259,11 @@ class UnitOfWork:
         correlation_id: str | None = None,
         causation_id: str | None = None,
     ) -> Envelope:
-        record = AuditRecord(
-            action=action,
-            actor=self.source,
-            entity=entity,
-            reason=reason,
-            details=dict(details or {}),
-            time=utcnow(),
-        )
-        return await self.emit(
-            self.subjects.audit(action),
-            T.AUDIT,
-            record,
-            correlation_id=correlation_id or entity,
+        event = self.audit_event(
+            action, entity, reason, details, correlation_id=correlation_id,
             causation_id=causation_id,
-        )
+        )  # fmt: skip
+        return self._stage(event, tracing.inject)
 
 
 class UnitOfWorkFactory:
