@@ -24,8 +24,14 @@ async def admission(admission_settings: Settings) -> AsyncIterator[Admission]:
 
 
 @pytest.fixture
-async def client(admission_settings: Settings) -> AsyncIterator[Client]:
+def client_class() -> type[Client]:
+    """The client the ``client`` fixture makes; a module may override it with a subclass."""
+    return Client
+
+
+@pytest.fixture
+async def client(admission_settings: Settings, client_class: type[Client]) -> AsyncIterator[Client]:
     assert admission_settings.nats_url is not None
     nc = await nats.connect(admission_settings.nats_url)
-    yield Client(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
+    yield client_class(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
     await nc.drain()

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from tests.support.admission import Admission, Client, start_admission, with_inventory
 from tests.support.waiting import eventually
@@ -26,7 +24,6 @@ from gpusched.admission.mig import MigModes
 from gpusched.agent.app import start_agent
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import MigConfigured, StopReason, T
-from gpusched.contracts.subjects import Subjects
 from gpusched.domain.inventory import GpuRef
 from gpusched.domain.sharing import ModeSchedule
 from gpusched.infra.runtime import ServiceRuntime
@@ -109,11 +106,8 @@ def admission_settings(settings: Settings, tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-async def client(admission_settings: Settings) -> AsyncIterator[SharingClient]:
-    assert admission_settings.nats_url is not None
-    nc = await nats.connect(admission_settings.nats_url)
-    yield SharingClient(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
-    await nc.drain()
+def client_class() -> type[Client]:
+    return SharingClient
 
 
 def granted_subject(c: Client) -> str:

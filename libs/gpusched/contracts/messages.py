@@ -238,6 +238,9 @@ class ReplicaView(Wire):
     target: int
     placed: int
     allocation_ids: list[str] = Field(default_factory=list)
+    # Failed replicas in a row, and when their replacement may be placed (restart back-off).
+    failures: int = 0
+    restart_at: datetime | None = None
 
 
 class JobView(Wire):
@@ -612,6 +615,16 @@ class MigConfigured(Wire):
     applied_at: datetime
 
 
+class MigConfigureFailed(Wire):
+    """The agent could not apply a MIG layout change: the GPU keeps its previous layout."""
+
+    change_id: str
+    node: str
+    gpu: int = Field(ge=0)
+    error: str
+    time: datetime
+
+
 class EvictWorkload(Wire):
     allocation_id: str
     job_id: str
@@ -687,6 +700,7 @@ class T(StrEnum):
     EVICT_FAILED = "workload.evict_failed"
     MIG_CONFIGURE = "mig.configure"
     MIG_CONFIGURED = "mig.configured"
+    MIG_CONFIGURE_FAILED = "mig.configure_failed"
     INVENTORY_CHANGED = "inventory.changed"
     NODE_HEALTH = "node.health"
 
@@ -725,6 +739,7 @@ SCHEMAS: dict[str, type[Wire]] = {
     T.EVICT_FAILED: EvictFailed,
     T.MIG_CONFIGURE: MigConfigure,
     T.MIG_CONFIGURED: MigConfigured,
+    T.MIG_CONFIGURE_FAILED: MigConfigureFailed,
     T.INVENTORY_CHANGED: InventoryChanged,
     T.NODE_HEALTH: NodeHealth,
 }

@@ -66,6 +66,7 @@ __all__ = [
     "LayoutApplied",
     "LayoutChangeRefused",
     "LayoutChanged",
+    "LayoutFailed",
     "Ledger",
     "LedgerError",
     "LedgerEvent",
@@ -527,6 +528,17 @@ class LayoutApplied:
     layout: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class LayoutFailed:
+    """A layout change failed (the agent said so, or never answered): the GPU has its
+    previous layout, as the agent still has it. Its change time stays: the attempt may
+    have reset the GPU, so it counts against the once-per-interval limit."""
+
+    gpu: GpuRef
+    failed: tuple[str, ...]
+    restored: tuple[str, ...]
+
+
 LedgerEvent = (
     AllocationGranted
     | AllocationReleased
@@ -534,6 +546,7 @@ LedgerEvent = (
     | GpusReturned
     | LayoutChanged
     | LayoutApplied
+    | LayoutFailed
 )
 
 
@@ -554,6 +567,7 @@ class Ledger:
         "_groups",
         "_hosts",
         "_layout_at",
+        "_layout_before",
         "_lefts",
         "_mix",
         "_node_gpus",
@@ -611,6 +625,9 @@ class Ledger:
         # last layout change, and the fractional ones by compute left, per (pool, model).
         self._shared: dict[GpuRef, SharedGpu] = {}
         self._layout_at: dict[GpuRef, datetime] = {}
+        # While a layout change is pending: the layout the agent still has (it is the
+        # GPU's layout again if the change fails).
+        self._layout_before: dict[GpuRef, tuple[str, ...]] = {}
         self._by_left: dict[tuple[Pool, str], dict[int, dict[GpuRef, None]]] = {}
         # The compute-left values present in _by_left, sorted, for a bisect to the
         # tightest fit.
@@ -647,6 +664,7 @@ class Ledger:
         conditions: Mapping[str, NodeCondition] | None = None,
         layouts: Mapping[GpuRef, tuple[tuple[str, ...], datetime | None]] | None = None,
         pending_layouts: Collection[GpuRef] = (),
+        layouts_before: Mapping[GpuRef, tuple[str, ...]] | None = None,
     ) -> Ledger:
         """Rebuild from stored rows: live allocations, the GPU -> reservation map, and
         the nodes that are drained or failed."""
@@ -656,7 +674,9 @@ class Ledger:
         # MIG layouts before allocations: their tenants' slices must exist.
         for ref, (layout, changed_at) in (layouts or {}).items():
             if layout and changed_at is not None:
-                ledger.apply(LayoutChanged(ref, ledger.gpu(ref).model, (), layout, changed_at))
+                before = (layouts_before or {}).get(ref, ())
+                model = ledger.gpu(ref).model
+                ledger.apply(LayoutChanged(ref, model, before, layout, changed_at))
                 if ref not in pending_layouts:
                     ledger.apply(LayoutApplied(ref, layout))
             elif changed_at is not None:
@@ -1058,6 +1078,17 @@ class Ledger:
         self.apply(event)
         return event
 
+    def layout_before(self, ref: GpuRef) -> tuple[str, ...]:
+        """The layout the agent still has while a change of ``ref`` is pending."""
+        return self._layout_before.get(ref, ())
+
+    def fail_layout(self, ref: GpuRef) -> LayoutFailed:
+        """The pending layout of ``ref`` was not applied: back to the layout the agent
+        still has, usable at once; the change time is kept."""
+        event = LayoutFailed(ref, self.layout_of(ref), self.layout_before(ref))
+        self.apply(event)
+        return event
+
     def change_layout(
         self, ref: GpuRef, layout: Sequence[str], now: datetime, interval: timedelta
     ) -> LayoutChanged:
@@ -1423,6 +1454,14 @@ class Ledger:
                     self._require_tenancy(event)
             case LayoutChanged():
                 self._require_layout_change(event.gpu, event.layout)
+            case LayoutFailed():
+                if not self.layout_pending(event.gpu):
+                    raise InvalidRequest(f"GPU {event.gpu} has no MIG layout change pending")
+                slot = self.gpu(event.gpu)
+                if event.restored and not layout_valid(slot.model, event.restored):
+                    raise InvalidRequest(
+                        f"MIG layout {'+'.join(event.restored)} is not valid on {slot.model}"
+                    )
             case LayoutApplied():
                 if event.layout != self.layout_of(event.gpu):
                     raise InvalidRequest(
@@ -1500,9 +1539,19 @@ class Ledger:
                 changed = replace(shared, layout=event.layout, pending=bool(event.layout))
                 self._set_shared(event.gpu, changed)
                 self._layout_at[event.gpu] = event.at
+                if changed.pending:
+                    self._layout_before[event.gpu] = event.before
+                else:
+                    self._layout_before.pop(event.gpu, None)
             case LayoutApplied():
                 if (applied := self._shared.get(event.gpu)) is not None:
                     self._set_shared(event.gpu, replace(applied, pending=False))
+                self._layout_before.pop(event.gpu, None)
+            case LayoutFailed():
+                self._layout_before.pop(event.gpu, None)
+                # No tenant uses a pending layout's slices: nothing else to undo.
+                failed = self._shared[event.gpu]
+                self._set_shared(event.gpu, replace(failed, layout=event.restored, pending=False))
 
     def _put(self, slot: GpuSlot) -> None:
         old = self._slots[slot.ref]

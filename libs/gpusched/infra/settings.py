@@ -64,6 +64,13 @@ class AdmissionSettings(Section):
     mig_day_start: time = time(8, 0)
     mig_day_end: time = time(20, 0)
     mig_reconcile_interval_s: float = Field(default=60.0, gt=0)
+    # A failed inference replica's replacement waits this long, doubling with each
+    # failure in a row up to the longest (docs/admission-user.md).
+    replica_restart_first_s: float = Field(default=10.0, gt=0)
+    replica_restart_longest_s: float = Field(default=300.0, gt=0)
+    # A layout change the cluster agent has not reported applied (or failed) by then
+    # is treated as failed: a lost command or report must not keep the GPU pending.
+    mig_apply_timeout_s: float = Field(default=300.0, gt=0)
 
 
 class IngestSettings(Section):

@@ -29,9 +29,9 @@ from gpusched.infra.settings import Settings
 from .catalog import Catalog
 from .handlers import Admission, load_inventory_once
 from .keeper import LedgerKeeper
-from .mig import MigModes
+from .mig import MigDeadlines, MigModes
 from .nodes import NodeOps
-from .replicas import ReplicaOps
+from .replicas import Backoff, ReplicaOps
 from .scheduler import Scheduler
 
 NAME = "admission"
@@ -116,7 +116,11 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         reserve_after=timedelta(seconds=settings.reserve_after_s),
         starve_after=timedelta(seconds=settings.starve_after_s),
     )
-    handlers = Admission(rt.uow, keeper, catalog, scheduler.kick)
+    backoff = Backoff(
+        timedelta(seconds=settings.replica_restart_first_s),
+        timedelta(seconds=settings.replica_restart_longest_s),
+    )
+    handlers = Admission(rt.uow, keeper, catalog, scheduler.kick, backoff)
     nodes = NodeOps(
         rt.uow, keeper, catalog, scheduler.kick, lambda: read_inventory(settings.inventory_path)
     )
@@ -161,6 +165,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
                 T.EVICTION_ABORTED: handlers.on_eviction_aborted,
                 T.EVICTION_CANCELLED: handlers.on_eviction_cancelled,
                 T.MIG_CONFIGURED: handlers.on_mig_configured,
+                T.MIG_CONFIGURE_FAILED: handlers.on_mig_configure_failed,
                 T.NODE_HEALTH: nodes.on_node_health,
             },
         )
@@ -185,6 +190,12 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
             scheduler.kick,
         )
         rt.every("mig-modes", settings.mig_reconcile_interval_s, modes.tick, singleton=True)
+    deadlines = MigDeadlines(
+        rt.uow, keeper, timedelta(seconds=settings.mig_apply_timeout_s), scheduler.kick
+    )
+    # Looks a few times per timeout, so a change is failed soon after its deadline.
+    every = min(settings.mig_apply_timeout_s / 4, settings.mig_reconcile_interval_s)
+    rt.every("mig-deadlines", every, deadlines.tick, singleton=True)
     scheduler.kick()  # jobs queued before this start are placed at once
     return AdmissionService(handlers, scheduler, keeper, nodes)
 

@@ -9,7 +9,7 @@ the eviction outcome of the same allocation never race, whatever order they arri
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from pydantic import ValidationError
 
@@ -29,6 +29,7 @@ from gpusched.contracts.messages import (
     GpusReturned,
     JobView,
     MigConfigured,
+    MigConfigureFailed,
     ReservationView,
     ReserveForInference,
     ReturnToShared,
@@ -46,7 +47,7 @@ from gpusched.domain.quota import usage_of
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
 
-from . import lending, replicas, reservations, store, wire
+from . import lending, mig, replicas, reservations, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
 from .explain import fair_order, find
 from .intake import Intake, Submission
@@ -96,12 +97,14 @@ class Admission:
         keeper: LedgerKeeper,
         catalog: Catalog,
         kick: Callable[[], None],
+        backoff: replicas.Backoff = replicas.DEFAULT_BACKOFF,
     ) -> None:
         self._uow = uow
         self._keeper = keeper
         self._catalog = catalog
         self._kick = kick
         self._intake = Intake(uow, kick)
+        self._backoff = backoff
 
     # --- the jobs API (request/reply) ---------------------------------------------------
 
@@ -238,6 +241,8 @@ class Admission:
                 return WhyReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
+            if job.state is JobState.RUNNING and job.spec.replicas is not None:
+                return await self._why_service(uow, job)
             if job.state is not JobState.QUEUED:
                 return WhyReply(
                     ok=True, job_id=job.job_id, state=job.state, reasons=_not_waiting(job)
@@ -261,7 +266,10 @@ class Admission:
         if attempt.placement is None:
             reasons.extend(reservations.blocking(r) for r in blockers)
         if job.spec.replicas is not None:
-            reasons.insert(0, replicas.waiting_words(job, ledger))
+            reasons[:0] = [
+                replicas.waiting_words(job, ledger),
+                *replicas.backoff_words(job, utcnow()),
+            ]
         if attempt.placement is not None:
             reasons.append(
                 "it fits now: the next scheduling pass places it"
@@ -280,6 +288,20 @@ class Admission:
                 f"queue: behind {len(ahead)} job(s) tried first (priority class, then fair "
                 f"share across teams, then submission order): {names}{more}"
             )
+        return WhyReply(ok=True, job_id=job.job_id, state=job.state, reasons=reasons)
+
+    async def _why_service(self, uow: UnitOfWork, job: store.JobRecord) -> WhyReply:
+        """A running service: how many replicas it misses and why they are not placed."""
+        ledger = await self._keeper.read(uow)
+        live = len(replicas.live_replicas(ledger, job.job_id))
+        now = utcnow()
+        reasons = replicas.short_words(job, live, now)
+        if live < job.replicas_wanted and not replicas.backing_off(job, now):
+            usage = usage_of(ledger.allocations.values())
+            attempt = find(ledger, self._catalog, job, usage, now=now)
+            reasons.extend(attempt.reasons)
+            if attempt.placement is not None:
+                reasons.append("one more replica fits now: the next scheduling pass places it")
         return WhyReply(ok=True, job_id=job.job_id, state=job.state, reasons=reasons)
 
     # --- ledger commands from preemption ------------------------------------------------
@@ -408,6 +430,10 @@ class Admission:
         layout = "+".join(applied.profiles) or "none"
         details = {"change_id": applied.change_id, "applied_at": applied.applied_at.isoformat()}
         try:
+            current = mig.pending_change_id(ledger, ref)
+            if current is not None and current != applied.change_id:
+                # A late report of an earlier change (given up after the apply timeout).
+                raise d.InvalidRequest(f"GPU {ref} awaits change {current}, not this one")
             event = ledger.apply_layout(ref, applied.profiles)
         except d.LedgerError as exc:
             # A report of a layout the GPU no longer has (or an unknown GPU): nothing to use.
@@ -432,6 +458,35 @@ class Admission:
         )
         if event is not None:
             self._kick()  # replicas waiting for these slices
+
+    async def on_mig_configure_failed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """The agent could not apply a MIG layout change: the GPU keeps its layout."""
+        report = envelope.payload(MigConfigureFailed)
+        ledger = await self._keeper.hold(uow)
+        ref = d.GpuRef(report.node, report.gpu)
+        if mig.pending_change_id(ledger, ref) != report.change_id:
+            # Applied or given up already, or not a change of this GPU: nothing to undo.
+            await uow.audit(
+                "mig.report_ignored",
+                entity=str(ref),
+                reason=(
+                    f"the cluster agent could not apply MIG change {report.change_id} "
+                    f"({report.error}), but GPU {ref} has no such change pending"
+                ),
+                details={
+                    "change_id": report.change_id,
+                    "error": report.error,
+                    "time": report.time.isoformat(),
+                },
+                correlation_id=report.change_id,
+                causation_id=envelope.id,
+            )
+            return
+        await mig.fail_change(
+            uow, ledger, ref, mig.FailCause.REPORTED, report.error, causation_id=envelope.id
+        )
+        await self._keeper.save(uow, [ref])
+        self._kick()  # the jobs that waited for those slices
 
     async def on_workload_stopped(self, envelope: Envelope, uow: UnitOfWork) -> None:
         stopped = envelope.payload(WorkloadStopped)
@@ -488,7 +543,10 @@ class Admission:
         job = await store.job(uow, stopped.job_id)
         assert job is not None  # allocations reference their job
         if job.spec.replicas is not None:
-            await replicas.settle_stopped(uow, job, stopped, envelope.id, now)
+            ran_for = max(min(stopped.stopped_at, now) - held.allocation.granted_at, timedelta())
+            await replicas.settle_stopped(
+                uow, job, stopped, envelope.id, now, ran_for, self._backoff
+            )
             return
         if job.allocation_id != stopped.allocation_id:
             return  # an older attempt's allocation; the job has moved on

@@ -69,6 +69,7 @@ class LedgerKeeper:
                     ledger.layout_of(ref),
                     ledger.layout_changed_at(ref),
                     ledger.layout_pending(ref),
+                    ledger.layout_before(ref),
                 )
                 for ref in gpus
             ],

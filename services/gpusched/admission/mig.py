@@ -3,19 +3,24 @@ time-of-day modes that move empty GPUs toward the layout of the current mode.
 
 A layout change resets the GPU, so the ledger allows one only on an empty GPU and at
 most once per interval (``Ledger.change_layout``); everything here goes through it.
+
+A change stays pending until the agent reports it applied (``mig.configured``) or failed
+(``mig.configure_failed``); one without either report within the apply timeout is failed
+by ``MigDeadlines``. A failed change gives the GPU back its previous layout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import MigConfigure, T
 from gpusched.domain.inventory import GpuRef, Pool
-from gpusched.domain.ledger import GpuStatus, LayoutChanged, Ledger
+from gpusched.domain.ledger import GpuStatus, LayoutChanged, LayoutFailed, Ledger
 from gpusched.domain.sharing import (
     GpuShare,
     MigMode,
@@ -30,11 +35,88 @@ from .keeper import LedgerKeeper
 log = logging.getLogger(__name__)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class FailCause(StrEnum):
+    """Why a pending layout change was given up."""
+
+    REPORTED = "reported"  # the agent said it could not apply it
+    TIMEOUT = "timeout"  # no report within the apply timeout
+
+
+def change_id_of(ref: GpuRef, at: datetime) -> str:
+    """The id of the layout change of ``ref`` made at ``at``. Derived from what is stored
+    (the GPU and its change time), so after a restart a report still finds its change,
+    and a report of an older change of the same GPU does not."""
+    micros = (at - _EPOCH) // timedelta(microseconds=1)
+    return f"mig-{hashlib.sha256(f'{ref}@{micros}'.encode()).hexdigest()[:12]}"
+
+
+def pending_change_id(ledger: Ledger, ref: GpuRef) -> str | None:
+    """The id of the change of ``ref`` awaiting the agent's report, if any."""
+    changed_at = ledger.layout_changed_at(ref)
+    if not ledger.layout_pending(ref) or changed_at is None:
+        return None
+    return change_id_of(ref, changed_at)
+
+
+def overdue(ledger: Ledger, now: datetime, timeout: timedelta) -> list[GpuRef]:
+    """GPUs whose pending layout change has had no report for ``timeout``."""
+    due: list[GpuRef] = []
+    for ref in ledger.shared:
+        changed_at = ledger.layout_changed_at(ref)
+        if ledger.layout_pending(ref) and changed_at is not None and changed_at + timeout <= now:
+            due.append(ref)
+    return sorted(due)
+
+
+def layout_words(layout: tuple[str, ...]) -> str:
+    return "+".join(layout) or "none (whole GPU)"
+
+
+async def fail_change(
+    uow: UnitOfWork,
+    ledger: Ledger,
+    ref: GpuRef,
+    cause: FailCause,
+    error: str,
+    causation_id: str | None = None,
+) -> LayoutFailed:
+    """Give up the pending change of ``ref``: the GPU has its previous layout again (as
+    the agent still has it); audited. The caller saves the GPU and kicks a pass, which
+    places the jobs that waited for the new slices elsewhere or tells them why not."""
+    change_id = pending_change_id(ledger, ref)
+    assert change_id is not None  # callers check that a change is pending
+    changed_at = ledger.layout_changed_at(ref)
+    failed = ledger.fail_layout(ref)
+    await uow.audit(
+        "mig.layout_failed",
+        entity=str(ref),
+        reason=(
+            f"MIG layout {layout_words(failed.failed)} was not applied ({cause}: {error}); "
+            f"the GPU keeps {layout_words(failed.restored)}. The attempt counts as a change "
+            f"(it may have reset the GPU): the next change is allowed one interval after "
+            f"{changed_at.isoformat() if changed_at else 'it'}"
+        ),
+        details={
+            "change_id": change_id,
+            "cause": cause,
+            "error": error,
+            "failed": list(failed.failed),
+            "restored": list(failed.restored),
+        },
+        correlation_id=change_id,
+        causation_id=causation_id,
+    )
+    return failed
+
+
 def layout_outgoing(
     uow: UnitOfWork, changed: LayoutChanged, reason: str, interval: timedelta
 ) -> list[Outgoing]:
     """The agent's mig.configure command and the audit record of one layout change."""
-    change_id = f"mig-{uuid.uuid4().hex[:12]}"
+    change_id = change_id_of(changed.gpu, changed.at)
     ref = changed.gpu
     return [
         Outgoing(
@@ -135,6 +217,43 @@ class MigModes:
         log.info("%s mode: changed the MIG layout of %d GPU(s)", mode, len(changed))
         self._kick()  # new slices (or whole GPUs) may place waiting jobs
         return len(changed)
+
+
+class MigDeadlines:
+    """A singleton loop: a layout change without the agent's report within ``timeout``
+    of its change time (stored with the GPU) is failed, so the GPU is not lost."""
+
+    def __init__(
+        self,
+        uow: UnitOfWorkFactory,
+        keeper: LedgerKeeper,
+        timeout: timedelta,
+        kick: Callable[[], None],
+    ) -> None:
+        self._uow = uow
+        self._keeper = keeper
+        self._timeout = timeout
+        self._kick = kick
+
+    async def tick(self) -> None:
+        await self.expire()
+
+    async def expire(self) -> int:
+        """Fail the overdue changes; returns how many."""
+        now = utcnow()
+        async with self._uow() as uow:
+            if not overdue(await self._keeper.read(uow), now, self._timeout):
+                return 0
+            ledger = await self._keeper.hold(uow)
+            refs = overdue(ledger, now, self._timeout)
+            error = f"no report from the cluster agent within {self._timeout.total_seconds():g} s"
+            for ref in refs:
+                await fail_change(uow, ledger, ref, FailCause.TIMEOUT, error)
+            await self._keeper.save(uow, refs)
+            await uow.commit()
+        log.warning("failed %d MIG layout change(s) without a report in time", len(refs))
+        self._kick()  # the jobs that waited for those slices
+        return len(refs)
 
 
 def share_words(share: GpuShare | None) -> str:

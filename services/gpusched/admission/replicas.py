@@ -7,13 +7,18 @@ places every job (so fractional and MIG placement apply to replicas too): up to 
 all or nothing, like a gang, then more up to the target as they fit. The target starts
 at `max`; `gpusched scale` moves it inside [min, max], and a scale-down releases the
 newest replicas first.
+
+A replica that fails is replaced (a new allocation of the same shape, placed by the same
+pass) after a restart back-off stored with the service, so a crash-looping replica does
+not thrash the scheduler; one that completes lowers the target, and the service ends
+when its last replica completed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TypeVar
 
@@ -47,6 +52,41 @@ SCALED_DOWN = "scaled_down"
 class ScaleErrorCode(StrEnum):
     NOT_A_SERVICE = "not_a_service"
     OUT_OF_RANGE = "replicas_out_of_range"
+
+
+class ReplicaAction(StrEnum):
+    """Audit actions about one replica."""
+
+    STOPPED = "job.replica_stopped"
+    RESTARTED = "replica.restarted"
+    LOST = "job.replica_lost"
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """How long a failed replica's replacement waits: ``first`` after one failure,
+    doubling with each failure in a row, at most ``longest``. A replica that ran
+    ``longest`` or more before it failed was healthy, so its failure counts as the first.
+    """
+
+    first: timedelta = timedelta(seconds=10)
+    longest: timedelta = timedelta(minutes=5)
+
+    def after(self, failures: int, ran_for: timedelta) -> tuple[int, timedelta]:
+        """(failures in a row counting this one, the wait before its replacement) for a
+        replica that ran ``ran_for`` after ``failures`` failures in a row."""
+        count = 1 if ran_for >= self.longest else failures + 1
+        # Capped exponent: the doubling passes any sane `longest` long before 2**30.
+        return count, min(self.first * 2 ** min(count - 1, 30), self.longest)
+
+
+DEFAULT_BACKOFF = Backoff()
+
+
+def backing_off(job: store.JobRecord, now: datetime) -> bool:
+    """A failed replica's replacement must still wait: the pass places none of its
+    replicas until then."""
+    return job.replica_restart_at is not None and now < job.replica_restart_at
 
 
 def replica_id(job_id: str, number: int) -> str:
@@ -92,6 +132,8 @@ def view(job: store.JobRecord, live: Sequence[str]) -> ReplicaView | None:
         target=job.replicas_wanted,
         placed=len(live),
         allocation_ids=sorted(live, key=replica_number),
+        failures=job.replica_failures,
+        restart_at=job.replica_restart_at,
     )
 
 
@@ -117,17 +159,38 @@ async def settle_stopped(
     stopped: WorkloadStopped,
     causation_id: str,
     now: datetime,
+    ran_for: timedelta,
+    backoff: Backoff,
 ) -> None:
     """One replica's workload ended (its allocation is released already). An evicted one
-    is replaced while the service's target stands; one that completed or failed lowers
-    the target, and the service ends with its last replica."""
+    is placed again at once and a failed one after the restart back-off, while the
+    service's target stands; one that completed lowers the target, and the service ends
+    when its last replica completed."""
     live = await _stored_live(uow, job.job_id)
     replicas = job.spec.replicas
     assert replicas is not None  # callers route only services here
-    details = {"allocation_id": stopped.allocation_id, "live": len(live)}
+    details: dict[str, object] = {"allocation_id": stopped.allocation_id, "live": len(live)}
+    action = ReplicaAction.STOPPED
     if stopped.reason is StopReason.EVICTED:
         state = JobState.QUEUED if len(live) < replicas.min else job.state
         reason = f"replica {stopped.allocation_id} evicted; it is placed again"
+    elif stopped.reason is StopReason.FAILED and job.state in (JobState.RUNNING, JobState.QUEUED):
+        failures, wait = backoff.after(job.replica_failures, ran_for)
+        restart_at = now + wait
+        await store.set_replica_restart(uow, job.job_id, failures, restart_at, now)
+        state = JobState.QUEUED if len(live) < replicas.min else job.state
+        action = ReplicaAction.RESTARTED
+        reason = (
+            f"replica {stopped.allocation_id} failed (exit code {stopped.exit_code}) after "
+            f"{ran_for.total_seconds():.0f}s; a replacement is placed from "
+            f"{restart_at.isoformat()} (back-off {wait.total_seconds():.0f}s after "
+            f"{failures} failure(s) in a row; {len(live)} replica(s) live)"
+        )
+        details |= {
+            "failures": failures,
+            "backoff_s": wait.total_seconds(),
+            "restart_at": restart_at.isoformat(),
+        }
     else:
         target = max(len(live), 1)
         await store.set_replica_target(uow, job.job_id, min(target, job.replicas_wanted), now)
@@ -137,9 +200,28 @@ async def settle_stopped(
     if state is not job.state:
         await store.set_job_state(uow, job.job_id, state, now)
     await uow.audit(
-        "job.replica_stopped", entity=job.job_id, reason=reason, details=details,
-        causation_id=causation_id,
-    )  # fmt: skip
+        action, entity=job.job_id, reason=reason, details=details, causation_id=causation_id
+    )
+
+
+def short_words(job: store.JobRecord, live: int, now: datetime) -> list[str]:
+    """How many replicas a service misses and, when a back-off holds them, why."""
+    missing = job.replicas_wanted - live
+    if missing <= 0:
+        return [f"running all {live} replica(s) of its target {job.replicas_wanted}"]
+    return [
+        f"running {live} of its target {job.replicas_wanted} replicas: {missing} missing",
+        *backoff_words(job, now),
+    ]
+
+
+def backoff_words(job: store.JobRecord, now: datetime) -> list[str]:
+    if job.replica_restart_at is None or not backing_off(job, now):
+        return []
+    return [
+        f"restart back-off after {job.replica_failures} replica failure(s) in a row: "
+        f"no replica is placed before {job.replica_restart_at.isoformat()}"
+    ]
 
 
 async def after_loss(
@@ -158,7 +240,7 @@ async def after_loss(
     if len(live) < replicas.min and job.state is JobState.RUNNING:
         await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
     await uow.audit(
-        "job.replica_lost",
+        ReplicaAction.LOST,
         entity=job.job_id,
         reason=f"node {node} failed: replica {allocation_id} ended; it is placed again "
         f"({len(live)} of target {job.replicas_wanted} live)",

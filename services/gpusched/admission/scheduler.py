@@ -121,7 +121,10 @@ class Scheduler:
             if not forced:
                 probe = await store.queue_probe(uow)
                 due = self._next_deadline is not None and utcnow() >= self._next_deadline
-                if probe.queued == 0 or (
+                # Running services below their target too: capacity may have freed up
+                # without a kick (another replica released it, a back-off ended).
+                short = await store.short_services(uow, utcnow()) if probe.queued == 0 else 0
+                if (probe.queued == 0 and short == 0) or (
                     probe.unexamined == 0 and probe.ledger_version == self._fruitless_at and not due
                 ):
                     return 0
@@ -144,6 +147,8 @@ class Scheduler:
             for job in fair_order(queued, ledger, usage):
                 waited = now - job.submitted_at
                 if job.spec.replicas is not None:
+                    if self._backing_off(job, now):
+                        continue
                     batch, attempt = await self._replicas(uow, ledger, job, usage, now, held)
                     if batch:
                         started.extend(batch)
@@ -182,6 +187,8 @@ class Scheduler:
                     newly_waiting.append((job, attempt))
             # Running inference services below their replica target: more as they fit.
             for service in await store.running_services(uow):
+                if self._backing_off(service, now):
+                    continue
                 batch, _ = await self._replicas(uow, ledger, service, usage, now, held)
                 started.extend(batch)
                 placed += bool(batch)
@@ -195,6 +202,16 @@ class Scheduler:
         if placed:
             log.info("placed %d job(s)", placed)
         return placed
+
+    def _backing_off(self, service: JobRecord, now: datetime) -> bool:
+        """A failed replica's restart back-off holds the service's placements; a pass
+        must run when it ends, kicked or not."""
+        restart_at = service.replica_restart_at
+        if restart_at is None or not replicas.backing_off(service, now):
+            return False
+        if self._next_deadline is None or restart_at < self._next_deadline:
+            self._next_deadline = restart_at
+        return True
 
     def _note_deadline(self, submitted_at: datetime, waited: timedelta) -> None:
         for threshold in (self._reserve_after, self._starve_after):

@@ -43,6 +43,8 @@ class JobRecord:
     latest_checkpoint_at: datetime | None = None
     replica_target: int | None = None
     replica_seq: int = 0
+    replica_failures: int = 0
+    replica_restart_at: datetime | None = None
 
     @property
     def kind(self) -> JobKind:
@@ -119,6 +121,22 @@ async def queue_probe(uow: UnitOfWork) -> QueueProbe:
     return QueueProbe(int(row.queued), int(row.unexamined), int(row.version))
 
 
+async def short_services(uow: UnitOfWork, now: datetime) -> int:
+    """Running inference services with fewer live replicas than their target whose
+    restart back-off (if any) is over: what an idle scheduler tick still has to place."""
+    # The state a literal, so the planner walks the partial index jobs_running_services.
+    result = await uow.execute(
+        f"SELECT count(*) FROM {_t(uow, 'jobs')} j WHERE j.state = '{JobState.RUNNING}' "
+        "AND jsonb_typeof(j.spec->'replicas') = 'object' "
+        "AND (j.replica_restart_at IS NULL OR j.replica_restart_at <= :now) "
+        f"AND (SELECT count(*) FROM {_t(uow, 'allocations')} a "
+        "WHERE a.job_id = j.job_id AND a.released_at IS NULL) "
+        "< coalesce(j.replica_target, (j.spec->'replicas'->>'max')::int)",
+        {"now": now},
+    )
+    return int(result.scalar_one())
+
+
 # --- inventory and GPU slots ----------------------------------------------------------
 
 
@@ -155,16 +173,18 @@ async def save_inventory(uow: UnitOfWork, inventory: Inventory) -> None:
 
 
 async def save_gpus(
-    uow: UnitOfWork, slots: Iterable[tuple[GpuSlot, tuple[str, ...], datetime | None, bool]]
+    uow: UnitOfWork,
+    slots: Iterable[tuple[GpuSlot, tuple[str, ...], datetime | None, bool, tuple[str, ...]]],
 ) -> None:
     """Write the live status of these slots, with each one's MIG layout, the time of its
-    last layout change and whether the agent has yet to apply it (the ledger is the
-    source of the values)."""
+    last layout change, whether the agent has yet to apply it and the layout before it
+    (the ledger is the source of the values)."""
     await _execute_many(
         uow,
         f"UPDATE {_t(uow, 'gpus')} SET status = :status, allocation_id = :allocation_id, "
         "reservation_id = :reservation_id, mig_layout = CAST(:layout AS jsonb), "
-        "layout_changed_at = :changed_at, layout_pending = :pending "
+        "layout_changed_at = :changed_at, layout_pending = :pending, "
+        "layout_before = CAST(:before AS jsonb) "
         "WHERE node = :node AND gpu_index = :idx",
         [
             {
@@ -176,8 +196,9 @@ async def save_gpus(
                 "layout": json.dumps(list(layout)),
                 "changed_at": changed_at,
                 "pending": pending,
+                "before": json.dumps(list(before)),
             }
-            for slot, layout, changed_at, pending in slots
+            for slot, layout, changed_at, pending, before in slots
         ],
     )
 
@@ -210,7 +231,7 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     gpus = (
         await uow.execute(
             f"SELECT node, gpu_index, model, memory_mib, reservation_id, mig_layout, "
-            f"layout_changed_at, layout_pending FROM {_t(uow, 'gpus')} "
+            f"layout_changed_at, layout_pending, layout_before FROM {_t(uow, 'gpus')} "
             "ORDER BY node, gpu_index"
         )
     ).all()
@@ -218,6 +239,7 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     reservations: dict[GpuRef, str] = {}
     layouts: dict[GpuRef, tuple[tuple[str, ...], datetime | None]] = {}
     pending: set[GpuRef] = set()
+    before: dict[GpuRef, tuple[str, ...]] = {}
     for row in gpus:
         spec = GpuSpec(row.node, row.gpu_index, row.model, row.memory_mib)
         specs.setdefault(row.node, []).append(spec)
@@ -227,6 +249,7 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
             layouts[spec.ref] = (tuple(row.mig_layout or ()), row.layout_changed_at)
         if row.layout_pending:
             pending.add(spec.ref)
+            before[spec.ref] = tuple(row.layout_before or ())
     inventory = Inventory(
         tuple(
             NodeSpec(
@@ -252,7 +275,13 @@ async def load_ledger(uow: UnitOfWork) -> tuple[Inventory, Ledger]:
     allocations = [_allocation(row) for row in live]
     conditions = {n.name: NodeCondition(n.state) for n in nodes if n.state != _UP}
     return inventory, Ledger.restore(
-        inventory, allocations, reservations, conditions, layouts=layouts, pending_layouts=pending
+        inventory,
+        allocations,
+        reservations,
+        conditions,
+        layouts=layouts,
+        pending_layouts=pending,
+        layouts_before=before,
     )
 
 
@@ -326,6 +355,8 @@ def _job(row: Any) -> JobRecord:
         latest_checkpoint_at=row.latest_checkpoint_at,
         replica_target=row.replica_target,
         replica_seq=row.replica_seq,
+        replica_failures=row.replica_failures,
+        replica_restart_at=row.replica_restart_at,
     )
 
 
@@ -507,6 +538,16 @@ async def set_replica_target(uow: UnitOfWork, job_id: str, target: int, now: dat
         f"UPDATE {_t(uow, 'jobs')} SET replica_target = :target, updated_at = :now "
         "WHERE job_id = :job_id",
         {"job_id": job_id, "target": target, "now": now},
+    )
+
+
+async def set_replica_restart(
+    uow: UnitOfWork, job_id: str, failures: int, restart_at: datetime, now: datetime
+) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET replica_failures = :failures, "
+        "replica_restart_at = :restart_at, updated_at = :now WHERE job_id = :job_id",
+        {"job_id": job_id, "failures": failures, "restart_at": restart_at, "now": now},
     )
 
 

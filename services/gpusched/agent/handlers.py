@@ -40,6 +40,7 @@ from gpusched.contracts.messages import (
     InventoryLoaded,
     MigConfigure,
     MigConfigured,
+    MigConfigureFailed,
     NodeChange,
     NodeHealth,
     StartWorkload,
@@ -112,6 +113,8 @@ class ClusterAgent:
         self._running: dict[str, _Running] = {}
         # The MIG layout of each GPU this (simulated) cluster was told to configure.
         self.mig_layouts: dict[GpuRef, tuple[str, ...]] = {}
+        # Nodes this (simulated) cluster was told broke: nothing can be done on them.
+        self.down_nodes: set[str] = set()
         self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
         self._tick = 0
         self._closing = False
@@ -199,10 +202,30 @@ class ClusterAgent:
         )
 
     async def on_mig_configure(self, envelope: Envelope) -> None:
-        """Apply a MIG layout change and report it. Simulated: the layout is recorded
-        (a real agent runs the MIG reconfiguration on the empty GPU admission chose)."""
+        """Apply a MIG layout change and report it (or why it could not be applied).
+        Simulated: the layout is recorded (a real agent runs the MIG reconfiguration on
+        the empty GPU admission chose)."""
         command = envelope.payload(MigConfigure)
-        self.mig_layouts[GpuRef(command.node, command.gpu)] = tuple(command.profiles)
+        ref = GpuRef(command.node, command.gpu)
+        error = self._mig_refusal(ref)
+        if error is not None:
+            log.warning("cannot change the MIG layout of %s: %s", ref, error)
+            await self._publisher.publish(
+                self._s.event("agent", T.MIG_CONFIGURE_FAILED),
+                T.MIG_CONFIGURE_FAILED,
+                MigConfigureFailed(
+                    change_id=command.change_id,
+                    node=command.node,
+                    gpu=command.gpu,
+                    error=error,
+                    time=self._now(),
+                ),
+                correlation_id=command.change_id,
+                causation_id=envelope.id,
+                envelope_id=event_id(command.change_id, "mig-failed"),
+            )
+            return
+        self.mig_layouts[ref] = tuple(command.profiles)
         log.info(
             "MIG layout of %s/%d is now %s",
             command.node,
@@ -224,6 +247,16 @@ class ClusterAgent:
             envelope_id=event_id(command.change_id, "mig"),
         )
 
+    def _mig_refusal(self, ref: GpuRef) -> str | None:
+        """Why a layout change of ``ref`` cannot be applied now (None: it can): a
+        reconfiguration resets the GPU, so it needs a live node and an idle GPU."""
+        if ref.node in self.down_nodes:
+            return f"node {ref.node} is down"
+        for entry in self._running.values():
+            if any((g.node, g.index) == (ref.node, ref.index) for g in entry.start.gpus):
+                return f"GPU {ref} still runs allocation {entry.start.allocation_id}"
+        return None
+
     async def on_sim_demand(self, envelope: Envelope) -> None:
         self.demand_gpus = envelope.payload(InferenceDemand).gpus
         log.info("simulated inference demand is now %.2f GPUs", self.demand_gpus)
@@ -233,7 +266,10 @@ class ClusterAgent:
         with it, and the agent reports the node's health as a real agent would."""
         command = envelope.payload(SetNodeHealth)
         if not command.healthy:
+            self.down_nodes.add(command.node)
             await self._lose_node(command.node)
+        else:
+            self.down_nodes.discard(command.node)
         await self._publisher.publish(
             self._s.event("agent", T.NODE_HEALTH),
             T.NODE_HEALTH,

@@ -53,6 +53,9 @@ def upgrade() -> None:
             layout_changed_at timestamptz,
             -- Not yet reported applied by the cluster agent: its slices wait.
             layout_pending    boolean NOT NULL DEFAULT false,
+            -- While pending: the layout the agent still has, the GPU's again if the
+            -- change fails (reported, or no report within the apply timeout).
+            layout_before     jsonb NOT NULL DEFAULT '[]'::jsonb,
             -- A reservation on a GPU training still holds takes effect on its release.
             pending        boolean GENERATED ALWAYS AS
                                (reservation_id IS NOT NULL AND allocation_id IS NOT NULL) STORED,
@@ -89,6 +92,10 @@ def upgrade() -> None:
             -- number of its last replica allocation (<job>-r<N>).
             replica_target  int,
             replica_seq     int NOT NULL DEFAULT 0,
+            -- Replica failures in a row and when their replacement may be placed (the
+            -- restart back-off, replicas.py): in the row, so it outlives this process.
+            replica_failures   int NOT NULL DEFAULT 0,
+            replica_restart_at timestamptz,
             UNIQUE (team, idempotency_key)
         )
         """
@@ -130,6 +137,11 @@ def upgrade() -> None:
     )
     op.execute(
         f"CREATE INDEX allocations_live ON {s}.allocations (allocation_id) "
+        "WHERE released_at IS NULL"
+    )
+    # A service's live replicas, counted by each idle scheduling tick (store.short_services).
+    op.execute(
+        f"CREATE INDEX allocations_live_by_job ON {s}.allocations (job_id) "
         "WHERE released_at IS NULL"
     )
     op.execute(
