@@ -691,19 +691,9 @@ class Admission:
                 if ledger.gpu(ref).reserved_for is not None
             )
         if waiting:
-            by_reservation: dict[str, list[d.GpuRef]] = {}
-            for ref in waiting:
-                by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
-            returned = ledger.return_to_shared(gpus=waiting)
-            await self._keeper.save(uow, returned.gpus)
-            for reservation_id, mine in sorted(by_reservation.items()):
-                await uow.emit(
-                    uow.subjects.event(uow.source, T.GPUS_RETURNED),
-                    T.GPUS_RETURNED,
-                    GpusReturned(reservation_id=reservation_id, gpus=wire.gpus(mine, ledger)),
-                    correlation_id=saga_id,
-                    causation_id=envelope.id,
-                )
+            await self._keeper.return_lent(
+                uow, waiting, causation_id=envelope.id, correlation_id=saga_id
+            )
         await uow.audit(
             action,
             entity=job_id,

@@ -16,13 +16,14 @@ Concurrency (one writer at a time, any number of replicas):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from gpusched.contracts.messages import GpusReturned, T
 from gpusched.domain.inventory import GpuRef, Inventory
 from gpusched.domain.ledger import Ledger
 from gpusched.infra.db import UnitOfWork
 
-from . import store
+from . import store, wire
 
 
 class LedgerKeeper:
@@ -74,6 +75,31 @@ class LedgerKeeper:
                 for ref in gpus
             ],
         )
+
+    async def return_lent(
+        self,
+        uow: UnitOfWork,
+        gpus: Sequence[GpuRef],
+        *,
+        causation_id: str | None,
+        correlation_id: str | None = None,
+    ) -> None:
+        """Give lent ``gpus`` back to the shared pool whatever holds them now: write
+        the slots and tell each reservation which of its GPUs it lost."""
+        ledger = self._require()
+        by_reservation: dict[str, list[GpuRef]] = {}
+        for ref in gpus:
+            by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
+        returned = ledger.return_to_shared(gpus=gpus)
+        await self.save(uow, returned.gpus)
+        for reservation_id, refs in sorted(by_reservation.items()):
+            await uow.emit(
+                uow.subjects.event(uow.source, T.GPUS_RETURNED),
+                T.GPUS_RETURNED,
+                GpusReturned(reservation_id=reservation_id, gpus=wire.gpus(refs, ledger)),
+                correlation_id=correlation_id,
+                causation_id=causation_id,
+            )
 
     async def _sync(self, uow: UnitOfWork) -> Ledger:
         committed = await store.lock_ledger(uow)

@@ -23,7 +23,6 @@ from gpusched.contracts.messages import (
     ApiError,
     CheckpointConfirmed,
     CheckpointInfo,
-    GpusReturned,
     InventoryChanged,
     ListNodes,
     NodeChange,
@@ -320,18 +319,7 @@ class NodeOps:
             ended.append(allocation.allocation_id)
         lent = [ref for ref in ledger.node_gpus(node) if ledger.gpu(ref).reserved_for is not None]
         if lent:
-            by_reservation: dict[str, list[d.GpuRef]] = {}
-            for ref in lent:
-                by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
-            returned = ledger.return_to_shared(gpus=lent)
-            await self._keeper.save(uow, returned.gpus)
-            for reservation_id, refs in sorted(by_reservation.items()):
-                await uow.emit(
-                    uow.subjects.event(uow.source, T.GPUS_RETURNED),
-                    T.GPUS_RETURNED,
-                    GpusReturned(reservation_id=reservation_id, gpus=wire.gpus(refs, ledger)),
-                    causation_id=causation_id,
-                )
+            await self._keeper.return_lent(uow, lent, causation_id=causation_id)
         return FailureOutcome(tuple(ended), lost_total, len(lent))
 
     async def _requeue(
