@@ -22,7 +22,6 @@ from gpusched.agent.app import start_agent
 from gpusched.contracts.messages import GpuRef as WireGpu
 from gpusched.contracts.messages import (
     MigConfigure,
-    MigConfigured,
     MigConfigureFailed,
     StartWorkload,
     T,
@@ -79,20 +78,6 @@ async def report_failed(client: SharingClient, command: dict[str, Any], error: s
     )
 
 
-async def report_applied(client: SharingClient, command: dict[str, Any]) -> None:
-    await client.publish(
-        client.s.event("agent", T.MIG_CONFIGURED),
-        T.MIG_CONFIGURED,
-        MigConfigured(
-            change_id=command["change_id"],
-            node=command["node"],
-            gpu=command["gpu"],
-            profiles=command["profiles"],
-            applied_at=datetime.now(UTC),
-        ),
-    )
-
-
 def gpu_of(command: dict[str, Any]) -> GpuRef:
     return GpuRef(command["node"], command["gpu"])
 
@@ -122,7 +107,7 @@ async def test_a_reported_failure_drops_the_slices_and_the_replica_is_placed_on_
     assert ledger.layout_of(gpu_of(first)) == ()
     assert not ledger.layout_pending(gpu_of(first))
     assert ledger.layout_changed_at(gpu_of(first)) is not None  # still rations changes
-    await report_applied(client, second)
+    await client.report_applied(second)
     job = await client.running(job_id)
     assert (job["allocated"][0]["node"], job["allocated"][0]["index"]) == (
         second["node"],
@@ -147,7 +132,7 @@ async def test_without_a_report_in_time_the_change_fails_and_the_replica_waits_s
         assert any("at most once per interval" in r for r in reasons)
         assert (await client.job(job_id))["state"] == "queued"
         # A late report of the given-up change: ignored, audited, the GPU stays whole.
-        await report_applied(client, command)
+        await client.report_applied(command)
         (ignored,) = await client.audits("mig.report_ignored", ref, 1)
         assert ignored.data["details"]["change_id"] == command["change_id"]
         assert (await running.ledger()).layout_of(gpu_of(command)) == ()

@@ -85,19 +85,22 @@ class SharingClient(Client):
         """Play the cluster agent: report the first ``changes`` MIG layout changes applied."""
         commands = await self.at_least(self.s.command("agent", T.MIG_CONFIGURE), changes)
         for command in commands:
-            data = command.data
-            await self.publish(
-                self.s.event("agent", T.MIG_CONFIGURED),
-                T.MIG_CONFIGURED,
-                MigConfigured(
-                    change_id=data["change_id"],
-                    node=data["node"],
-                    gpu=data["gpu"],
-                    profiles=data["profiles"],
-                    applied_at=datetime.now(UTC),
-                ),
-            )
+            await self.report_applied(command.data)
         return [command.data for command in commands]
+
+    async def report_applied(self, command: dict[str, Any]) -> None:
+        """Play the cluster agent: one ``mig.configure`` command applied."""
+        await self.publish(
+            self.s.event("agent", T.MIG_CONFIGURED),
+            T.MIG_CONFIGURED,
+            MigConfigured(
+                change_id=command["change_id"],
+                node=command["node"],
+                gpu=command["gpu"],
+                profiles=command["profiles"],
+                applied_at=datetime.now(UTC),
+            ),
+        )
 
 
 @pytest.fixture
