@@ -298,6 +298,22 @@ class ApproveReply(Wire):
     error: ApiError | None = None
 
 
+class CancelJob(Wire):
+    """End a job: a queued or held job leaves the queue, a running one's workload is
+    stopped and its GPUs freed. Its team's own jobs, or any job for an operator."""
+
+    job_id: str
+    operator: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
+
+
+class CancelReply(Wire):
+    ok: bool
+    job_id: str | None = None
+    state: str | None = None
+    error: ApiError | None = None
+
+
 class WhyJob(Wire):
     job_id: str
 
@@ -580,6 +596,17 @@ class EvictionCancelled(Wire):
     reason: str
 
 
+class CheckpointVerified(Wire):
+    """The checkpoint service verified a job's checkpoint claim and catalogued it: from
+    then on the rest of the system may use it (resume, lost work, victim choice). A claim
+    it could not verify is never announced."""
+
+    job_id: str
+    request_id: str | None
+    checkpoint: CheckpointInfo
+    confirmed_at: datetime
+
+
 # ======================================================================================
 # Internal: cluster agent commands and results
 # ======================================================================================
@@ -693,6 +720,7 @@ class T(StrEnum):
     EVICTION_ABORTED = "eviction.aborted"
     EVICTION_FORCED = "eviction.forced"
     EVICTION_CANCELLED = "eviction.cancelled"
+    CHECKPOINT_VERIFIED = "checkpoint.verified"
     START_WORKLOAD = "workload.start"
     EVICT_WORKLOAD = "workload.evict"
     WORKLOAD_STARTED = "workload.started"
@@ -732,6 +760,7 @@ SCHEMAS: dict[str, type[Wire]] = {
     T.EVICTION_ABORTED: EvictionAborted,
     T.EVICTION_FORCED: EvictionForced,
     T.EVICTION_CANCELLED: EvictionCancelled,
+    T.CHECKPOINT_VERIFIED: CheckpointVerified,
     T.START_WORKLOAD: StartWorkload,
     T.EVICT_WORKLOAD: EvictWorkload,
     T.WORKLOAD_STARTED: WorkloadStarted,

@@ -83,6 +83,10 @@ class Subjects:
         return f"{self.prefix}.api.jobs.approve"
 
     @property
+    def api_jobs_cancel(self) -> str:
+        return f"{self.prefix}.api.jobs.cancel"
+
+    @property
     def api_jobs_why(self) -> str:
         return f"{self.prefix}.api.jobs.why"
 
