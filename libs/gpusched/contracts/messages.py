@@ -197,6 +197,8 @@ class SubmitJob(Wire):
 class ApiError(Wire):
     code: str
     message: str
+    # The request field at fault (dotted path), for `invalid` errors.
+    field: str | None = None
 
 
 class SubmitReply(Wire):
@@ -264,6 +266,9 @@ class JobView(Wire):
     reservation: ReservationView | None = None
     # An inference service's replicas; `allocated` then lists every live replica's GPUs.
     replicas: ReplicaView | None = None
+    # Why the scheduler set this job aside (state `parked`): it is not placed until an
+    # operator retries or cancels it.
+    parked_reason: str | None = None
 
 
 class GetReply(Wire):
@@ -663,6 +668,9 @@ class StopReason(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     EVICTED = "evicted"
+    # Stopped because the cluster agent itself stopped or restarted, not by the job's
+    # fault: admission requeues it from its newest verified checkpoint.
+    INTERRUPTED = "interrupted"
 
 
 class WorkloadStarted(Wire):
@@ -679,6 +687,17 @@ class WorkloadStopped(Wire):
     stopped_at: datetime
     exit_code: int | None = None
     saga_id: str | None = None
+
+
+class AgentReady(Wire):
+    """The cluster agent (re)started and says what it runs. It keeps no durable state, so
+    after a crash `running` is what survived it (nothing, for the simulated cluster):
+    admission treats every live allocation on `nodes` that is not listed as interrupted."""
+
+    agent_id: str = Field(min_length=1, max_length=200)
+    nodes: list[str]
+    running: list[str] = Field(default_factory=list)
+    time: datetime
 
 
 class EvictFailed(Wire):
@@ -726,6 +745,7 @@ class T(StrEnum):
     WORKLOAD_STARTED = "workload.started"
     WORKLOAD_STOPPED = "workload.stopped"
     EVICT_FAILED = "workload.evict_failed"
+    AGENT_READY = "agent.ready"
     MIG_CONFIGURE = "mig.configure"
     MIG_CONFIGURED = "mig.configured"
     MIG_CONFIGURE_FAILED = "mig.configure_failed"
@@ -766,6 +786,7 @@ SCHEMAS: dict[str, type[Wire]] = {
     T.WORKLOAD_STARTED: WorkloadStarted,
     T.WORKLOAD_STOPPED: WorkloadStopped,
     T.EVICT_FAILED: EvictFailed,
+    T.AGENT_READY: AgentReady,
     T.MIG_CONFIGURE: MigConfigure,
     T.MIG_CONFIGURED: MigConfigured,
     T.MIG_CONFIGURE_FAILED: MigConfigureFailed,
