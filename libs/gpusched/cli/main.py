@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpusched.cli import nodes, replicas
+from gpusched.cli import cancel, nodes, replicas
 from gpusched.cli.client import ApiClient, ApiError
 from gpusched.cli.stack import SERVICES, Stack, prepare
 from gpusched.contracts.envelope import Envelope
@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
 
     nodes.add_parsers(sub)
     replicas.add_parsers(sub)
+    cancel.add_parsers(sub)
 
     bill = sub.add_parser("bill", help="billing statements per team")
     bill.add_argument("--team")
