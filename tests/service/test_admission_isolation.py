@@ -306,3 +306,51 @@ async def test_an_agent_restart_interrupts_only_the_started_workloads_it_no_long
     # Its start command is still in the stream: the agent starts it, nothing to undo.
     still = await client.job(unstarted)
     assert (still["state"], still["allocation_id"]) == ("running", two["allocation_id"])
+
+
+async def test_cancelling_a_service_stops_every_replica_and_ends_when_the_last_stops(
+    admission: Admission, client: Client
+) -> None:
+    job_id = await client.submitted(
+        name="chat", kind="inference", priority_class="inference", gpus={"count": 1},
+        replicas={"min": 2, "max": 2},
+    )  # fmt: skip
+
+    async def both() -> dict[str, Any] | None:
+        job = await client.job(job_id)
+        return job if job["replicas"]["placed"] == 2 else None
+
+    job = await eventually(both, within=20)
+    reply = await cancel(client, job_id)
+    assert reply["ok"] and reply["state"] == "cancelling"
+    evicts = await client.events(client.s.command("agent", T.EVICT_WORKLOAD), 2)
+    replicas = job["replicas"]["allocation_ids"]
+    assert sorted(e.data["allocation_id"] for e in evicts) == sorted(replicas)
+    assert {(e.data["saga_id"], e.data["forced"]) for e in evicts} == {(f"cancel-{job_id}", True)}
+
+    first, second = replicas
+    await client.stopped({"job_id": job_id, "allocation_id": first}, StopReason.EVICTED)
+    await client.audits("allocation.released", job_id, 1)
+    assert (await client.job(job_id))["state"] == "cancelling"
+    await client.stopped({"job_id": job_id, "allocation_id": second}, StopReason.EVICTED)
+    await client.job_in(job_id, "cancelled")
+    # No replica is placed again for a cancelled service.
+    assert (await client.job(job_id))["replicas"]["placed"] == 0
+    assert len(await client.all_events(client.s.command("agent", T.START_WORKLOAD))) == 2
+
+
+async def test_a_stopped_workload_whose_job_cannot_be_read_frees_its_gpus_and_parks_the_job(
+    admission: Admission, client: Client
+) -> None:
+    job_id = await client.submitted(gpus={"count": 4})
+    job = await client.job_in(job_id, "running")
+    await poison(admission, job_id)
+
+    await client.stopped(job, StopReason.COMPLETED)
+    parked = await client.job_in(job_id, "parked")
+    assert "stored row cannot be read" in parked["parked_reason"]
+    [audit] = await client.audits("job.parked", job_id, 1)
+    assert audit.data["details"]["where"] == "settle"
+    # Its GPUs are free again: a job after it gets all four.
+    good = await client.submitted(gpus={"count": 4})
+    await client.job_in(good, "running")
