@@ -354,3 +354,33 @@ async def test_a_stopped_workload_whose_job_cannot_be_read_frees_its_gpus_and_pa
     # Its GPUs are free again: a job after it gets all four.
     good = await client.submitted(gpus={"count": 4})
     await client.job_in(good, "running")
+
+
+async def test_a_running_service_whose_top_up_raises_keeps_its_replicas_and_is_paused(
+    admission: Admission, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = await client.submitted(
+        name="chat", kind="inference", priority_class="inference", gpus={"count": 1},
+        replicas={"min": 1, "max": 3},
+    )  # fmt: skip
+
+    async def two() -> dict[str, Any] | None:
+        job = await client.job(job_id)
+        return job if job["state"] == "running" and job["replicas"]["placed"] == 2 else None
+
+    await eventually(two, within=20)
+    real_find = scheduler_module.find
+
+    def find(*args: Any, **kwargs: Any) -> Any:
+        if args[2].job_id == job_id:
+            raise KeyError("a bug in the top-up")
+        return real_find(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "find", find)
+    training = await client.submitted(gpus={"count": 2})
+    await client.job_in(training, "running")
+    [audit] = await client.audits("replica.topup_failed", job_id, 1)
+    assert "KeyError" in audit.data["reason"]
+    job = await client.job(job_id)
+    assert (job["state"], job["replicas"]["placed"]) == ("running", 2)
+    assert job["replicas"]["restart_at"] is not None

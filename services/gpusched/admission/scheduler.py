@@ -168,7 +168,7 @@ class Scheduler:
             if where is None:
                 # A running service's top-up: its replicas keep running; no more are
                 # placed for a while, as after a crash-looping replica.
-                await store.set_replica_restart(uow, job_id, 0, now + _TOPUP_PAUSE, now)
+                await store.pause_replicas(uow, job_id, now + _TOPUP_PAUSE, now)
                 await uow.audit(
                     "replica.topup_failed",
                     entity=job_id,

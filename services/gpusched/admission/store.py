@@ -670,6 +670,15 @@ async def set_replica_restart(
     )
 
 
+async def pause_replicas(uow: UnitOfWork, job_id: str, until: datetime, now: datetime) -> None:
+    """No replica of the service is placed before ``until`` (its failure count kept)."""
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET replica_restart_at = :until, updated_at = :now "
+        "WHERE job_id = :job_id",
+        {"job_id": job_id, "until": until, "now": now},
+    )
+
+
 async def set_replica_seq(uow: UnitOfWork, job_id: str, seq: int) -> None:
     await uow.execute(
         f"UPDATE {_t(uow, 'jobs')} SET replica_seq = :seq WHERE job_id = :job_id",
