@@ -242,7 +242,7 @@ class Admission:
                     ok=False,
                     error=refuse(
                         ErrorCode.NOT_HELD,
-                        f"job {job.job_id} is {job.state}, not held for approval",
+                        f"job {job.job_id} is {job.state}, not held for approval or parked",
                     ),
                 )
             await store.set_job_state(uow, job.job_id, JobState.QUEUED, utcnow())

@@ -324,11 +324,13 @@ class Scheduler:
             if job is None:
                 # Not queued any more: read it for the words of the audit record.
                 job = await store.job(uow, reservation.job_id)
+            self._current = None if job is None else (job, parking.Where.PLACEMENT)
             end = lapsed(reservation, job, now, self._starve_after)
             if end is None:
                 holding[reservation.job_id] = reservation
             else:
                 ended.append((reservation, end, job))
+        self._current = None
         return holding, ended
 
     def _reservation_for(
