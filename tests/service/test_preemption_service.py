@@ -605,7 +605,7 @@ async def test_a_service_reading_that_cannot_be_read_is_skipped_and_the_controll
     await applied(preemption, again)
     assert metric("gpusched_preemption_inputs_skipped_total", kind="service_reading") == before + 4
     assert len(await stored_audits(preemption, "preempt.input_skipped")) == 2
-    assert await stored_audits(preemption, "dead_letter") == []
+    assert await stored_audits(preemption, "message.dead_lettered") == []
 
 
 async def test_an_allocation_that_cannot_be_read_is_skipped_and_the_rest_are_still_chosen_from(
