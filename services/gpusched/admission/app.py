@@ -173,15 +173,9 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
                 T.MIG_CONFIGURED: handlers.on_mig_configured,
                 T.MIG_CONFIGURE_FAILED: handlers.on_mig_configure_failed,
                 T.NODE_HEALTH: nodes.on_node_health,
+                # Verified checkpoints only, never the jobs' raw claims (DESIGN §5).
+                T.CHECKPOINT_VERIFIED: nodes.on_checkpoint_verified,
             },
-        )
-    )
-    rt.consume(
-        bus.Consumer(
-            durable="admission-job-events",
-            stream=s.stream("JOBS"),
-            subjects=[s.all_job_events],
-            handlers={T.CHECKPOINT_CONFIRMED: nodes.on_checkpoint_confirmed},
         )
     )
     # The tick itself waits up to the schedule interval for a kick, so the loop's own

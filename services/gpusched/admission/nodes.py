@@ -23,8 +23,8 @@ from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
     AddNode,
     ApiError,
-    CheckpointConfirmed,
     CheckpointInfo,
+    CheckpointVerified,
     InventoryChanged,
     ListNodes,
     NodeChange,
@@ -40,6 +40,7 @@ from gpusched.contracts.messages import (
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
 from gpusched.domain.ledger import Ledger, NodeCondition
+from gpusched.domain.lostwork import lost_gpu_seconds
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import is_outage
 
@@ -94,15 +95,6 @@ class FailureOutcome:
     ended: tuple[str, ...]  # allocation ids
     lost_gpu_seconds: float
     unreserved: int
-
-
-def lost_gpu_seconds(
-    gpus: int, granted_at: datetime, checkpoint_at: datetime | None, failed_at: datetime
-) -> float:
-    """Work a failure destroys: GPUs x time since the later of the grant and the last
-    confirmed checkpoint (a checkpoint from an earlier attempt saves nothing of this one)."""
-    since = granted_at if checkpoint_at is None else max(granted_at, checkpoint_at)
-    return gpus * max((failed_at - since).total_seconds(), 0.0)
 
 
 def newest_checkpoint(*checkpoints: CheckpointInfo | None) -> CheckpointInfo | None:
@@ -241,21 +233,14 @@ class NodeOps:
             return
         self._kick()
 
-    async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
-        """Remember each job's newest confirmed checkpoint: a node failure requeues the
-        job from it. Job events carry the job id as their correlation id."""
-        confirmed = envelope.payload(CheckpointConfirmed)
-        if envelope.correlation_id is None:
-            return
-        checkpoint = CheckpointInfo(
-            checkpoint_id=confirmed.checkpoint_id,
-            step=confirmed.step,
-            uri=confirmed.uri,
-            bytes=confirmed.bytes,
-            sha256=confirmed.sha256,
-            stage=confirmed.stage,
+    async def on_checkpoint_verified(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """Remember each job's newest verified checkpoint: a node failure requeues the
+        job from it, and `jobs.get` shows it. Only the checkpoint service's verified
+        checkpoints count; a job's raw claim may name a file that does not hold it."""
+        verified = envelope.payload(CheckpointVerified)
+        await store.record_checkpoint(
+            uow, verified.job_id, verified.checkpoint, verified.confirmed_at
         )
-        await store.record_checkpoint(uow, envelope.correlation_id, checkpoint, envelope.time)
 
     # --- the changes ----------------------------------------------------------------------
 
