@@ -8,7 +8,9 @@
                 job.checkpoint(request, lambda: save_file_checkpoint(path, write, step=step))
         job.completed(step)
 
-A background thread owns an event loop and the AsyncJobClient; every method hands
+Events are buffered while the control plane is unreachable and sent once it is back
+(see AsyncJobClient): an event method returns within a couple of seconds whatever the
+network does. A background thread owns an event loop and the AsyncJobClient; every method hands
 its work to that loop and waits for it, so the methods may be called from any thread.
 The loop checks for requests between steps: a checkpoint is taken at a step boundary,
 never in the middle of an optimizer update. `save` and `persist` run in the caller's
@@ -29,6 +31,7 @@ from gpusched.contracts.messages import StageName
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.client import AsyncJobClient
 from gpusched.sdk.control import CheckpointRequest, ControlMessage
+from gpusched.sdk.delivery import DeliveryState
 from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
 
@@ -121,7 +124,22 @@ class JobClient:
         await client.connect()
         return client
 
+    @property
+    def connection_state(self) -> DeliveryState:
+        """Connected or not, and how many events wait for the control plane (see
+        AsyncJobClient.connection_state); e.g. `str(job.connection_state)`."""
+        client = self._client
+        if client is None:
+            return DeliveryState(connected=False, buffered=0, dropped=0)
+        return client.connection_state
+
+    def flush(self, timeout: float) -> int:
+        """Wait at most `timeout` seconds for buffered events to be delivered; how many
+        are still waiting."""
+        return self._call(self._async().flush(timeout), wait_s=timeout + 1.0)
+
     def close(self) -> None:
+        """Deliver what is buffered (bounded, see AsyncJobClient.close), then stop."""
         client, self._client = self._client, None
         if client is not None and self._loop is not None:
             try:
@@ -140,17 +158,18 @@ class JobClient:
         if not thread.is_alive():
             loop.close()
 
-    def _call(self, coro: Coroutine[Any, Any, R]) -> R:
+    def _call(self, coro: Coroutine[Any, Any, R], *, wait_s: float | None = None) -> R:
         loop = self._loop
         if loop is None:
             coro.close()
             raise JobClientError("the job client is not started (use `with JobClient(...)`)")
         future = asyncio.run_coroutine_threadsafe(coro, loop)
+        limit = max(self._timeout, wait_s or 0.0)
         try:
-            return future.result(self._timeout)
+            return future.result(limit)
         except FutureTimeout:
             future.cancel()
-            raise JobClientError(f"no answer from the job client in {self._timeout}s") from None
+            raise JobClientError(f"no answer from the job client in {limit}s") from None
 
     def _async(self) -> AsyncJobClient:
         if self._client is None:
