@@ -125,6 +125,7 @@ class AsyncJobClient:
         self._publish_wait_s = publish_wait_s
         self._flush_timeout_s = flush_timeout_s
         self._control_from = 0  # stream sequence of the first control message for us
+        self._closing = False
         self._inbox: asyncio.Queue[ControlMessage | _Closed] = asyncio.Queue()
         self._pending = PendingCheckpoint()
         self._on_control: list[ControlCallback] = []
@@ -211,6 +212,7 @@ class AsyncJobClient:
     async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Deliver what is buffered (at most `timeout` s, default `flush_timeout_s`),
         stop listening, and close the connection if the client opened it."""
+        self._closing = True
         events, self._events = self._events, None
         if events is not None:
             await events.close(self._flush_timeout_s if timeout is None else timeout)
@@ -234,6 +236,8 @@ class AsyncJobClient:
         self._inbox.put_nowait(_CLOSED)
 
     async def _on_disconnected(self) -> None:
+        if self._closing:
+            return
         log.warning("job %s: lost the control plane; events are buffered", self.job_id)
 
     async def _on_reconnected(self) -> None:
