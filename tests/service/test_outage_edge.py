@@ -46,7 +46,7 @@ from gpusched.infra.embedded import EmbeddedNats
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import AgentSettings, Settings
 from gpusched.infra.supervisor import spawn_bound_child, terminate
-from gpusched.sdk import JobEnvironment
+from gpusched.sdk import AsyncJobClient, JobEnvironment
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_LOOP = REPO / "examples" / "train_loop.py"
@@ -218,6 +218,58 @@ async def test_a_job_process_keeps_training_through_a_nats_restart_and_every_eve
 
 def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
+
+
+# --- the SDK's buffer ----------------------------------------------------------------------
+
+
+async def test_while_nats_is_away_events_wait_in_a_bounded_buffer_that_drops_old_progress_first(
+    own_nats: EmbeddedNats, control: ControlPlane, prefix: str
+) -> None:
+    job = AsyncJobClient(own_nats.url, "job-buf", 1, prefix=prefix, buffer_capacity=5)
+    await job.connect()
+    try:
+        await job.started()
+        assert str(job.connection_state) == "connected"
+        await asyncio.to_thread(own_nats.stop)
+        await eventually(lambda: _true(not job.connection_state.connected))
+
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await job.checkpoint_confirmed(
+            request_id="req-b",
+            checkpoint_id="ck-b",
+            step=1,
+            uri="file:///ck-b",
+            bytes=1,
+            sha256="0" * 64,
+            stage=StageName.PERSISTED,
+        )
+        for step in range(1, 11):
+            await job.progress(step)
+        await job.completed(10)
+        assert loop.time() - began < 1.0  # the training loop was never held up
+        state = job.connection_state
+        assert (state.buffered, state.dropped) == (5, 7)
+        assert str(state) == "disconnected, buffering 5"
+
+        await asyncio.to_thread(own_nats.start)
+        assert await job.flush(30) == 0
+    finally:
+        await job.close(timeout=5)
+    events = await control.job_events("job-buf")
+    assert [(e.type, e.data.get("step")) for e in events] == [
+        (T.JOB_STARTED, None),
+        (T.CHECKPOINT_CONFIRMED, 1),
+        (T.JOB_PROGRESS, 8),
+        (T.JOB_PROGRESS, 9),
+        (T.JOB_PROGRESS, 10),
+        (T.JOB_COMPLETED, 10),
+    ]
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 # --- the cluster agent with a simulated workload -----------------------------------------
