@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 from gpusched.contracts.messages import StageName
 from gpusched.sdk.checkpoints import SavedCheckpoint
-from gpusched.sdk.client import AsyncJobClient
+from gpusched.sdk.client import DEFAULT_FLUSH_TIMEOUT_S, AsyncJobClient
 from gpusched.sdk.control import CheckpointRequest, ControlMessage
-from gpusched.sdk.delivery import DeliveryState
+from gpusched.sdk.delivery import DEFAULT_CAPACITY, DEFAULT_WAIT_S, DeliveryState
 from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
 
@@ -49,6 +49,9 @@ class JobClient:
         source: str = "job",
         timeout_s: float = 30.0,
         environment: JobEnvironment | None = None,
+        buffer_capacity: int = DEFAULT_CAPACITY,
+        publish_wait_s: float = DEFAULT_WAIT_S,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -57,6 +60,9 @@ class JobClient:
         self._prefix = prefix
         self._source = source
         self._timeout = timeout_s
+        self._buffer_capacity = buffer_capacity
+        self._publish_wait_s = publish_wait_s
+        self._flush_timeout_s = flush_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: AsyncJobClient | None = None
@@ -120,7 +126,14 @@ class JobClient:
             raise
 
     async def _open(self) -> AsyncJobClient:
-        client = AsyncJobClient(*self._args, prefix=self._prefix, source=self._source)
+        client = AsyncJobClient(
+            *self._args,
+            prefix=self._prefix,
+            source=self._source,
+            buffer_capacity=self._buffer_capacity,
+            publish_wait_s=self._publish_wait_s,
+            flush_timeout_s=self._flush_timeout_s,
+        )
         await client.connect()
         return client
 
@@ -143,7 +156,8 @@ class JobClient:
         client, self._client = self._client, None
         if client is not None and self._loop is not None:
             try:
-                self._call(client.close())
+                # Delivering the buffer, then unsubscribing and draining (bounded each).
+                self._call(client.close(), wait_s=self._flush_timeout_s + 15.0)
             finally:
                 self._stop_loop()
 
