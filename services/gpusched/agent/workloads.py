@@ -140,8 +140,8 @@ class SimWorkload:
             # the job resumes from here rather than from further back.
             try:
                 await asyncio.wait_for(self._checkpoint(None, step), grace_s)
-            except TimeoutError:
-                log.warning("sim job %s: no checkpoint within %.1fs", self._start.job_id, grace_s)
+            except (TimeoutError, JobClientError) as exc:
+                log.warning("sim job %s: no checkpoint at stop: %r", self._start.job_id, exc)
         await self._job.close(timeout=grace_s)
         return None
 
@@ -152,6 +152,7 @@ class SimWorkload:
         except JobClientError as exc:
             log.warning("sim job %s lost the control plane: %s", job.job_id, exc)
             result = WorkloadExit(StopReason.FAILED, error=str(exc))
+        self._step = None  # training is over: nothing left to checkpoint at a stop
         # Not in a `finally`: a stopped job is closed by `stop`, after its checkpoint.
         await job.close(timeout=_RESULT_FLUSH_S)
         return result
