@@ -97,8 +97,14 @@ class Outage:
 
 def describe(exc: BaseException) -> str:
     """One line naming an error and its root cause, for a log line without a traceback."""
-    text = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+    text = _first_line(exc)
     cause = exc.__cause__ or exc.__context__
     if cause is not None and cause is not exc:
-        text += f" <- {type(cause).__name__}: {cause}".rstrip(": ")
+        text += f" <- {_first_line(cause)}"
     return text[:300]
+
+
+def _first_line(exc: BaseException) -> str:
+    # SQLAlchemy appends the statement and its parameters on further lines.
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
