@@ -74,16 +74,18 @@ async def connect(url: str, name: str) -> NatsClient:
             logger.warning("%s: NATS connection error: %s", name, describe(exc))
 
     async def on_disconnected() -> None:
-        logger.warning("%s: lost the NATS connection; reconnecting", name)
+        if not (nc.is_closed or nc.is_draining):  # not our own shutdown
+            logger.warning("%s: lost the NATS connection; reconnecting", name)
 
     async def on_reconnected() -> None:
         logger.warning("%s: reconnected to NATS", name)
 
-    return await nats.connect(
+    nc = NatsClient()
+    await nc.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; a float works
         connect_timeout=5,
         # A half-open connection (server host gone without a FIN) is noticed in ~30 s.
         ping_interval=10,
@@ -93,6 +95,7 @@ async def connect(url: str, name: str) -> NatsClient:
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
     )
+    return nc
 
 
 async def ensure_streams(
