@@ -400,6 +400,10 @@ class ConsumerRunner:
         self._stopped.set()
 
     async def process(self, msg: Msg, parsed: Envelope | None = None) -> bool:
+        """Apply `msg` once and settle it (ack, nak, or dead letter and term).
+
+        False when an outage stopped it: the message is still in hand, unsettled, for
+        the caller to apply again once the server is back."""
         started = time.perf_counter()
         consumer = self._c.durable
         message_type = "unknown"
