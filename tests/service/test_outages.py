@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from gpusched.contracts.messages import JobProgress, T
 from gpusched.infra import bus, outbox
 from gpusched.infra.db import UnitOfWork
 from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from gpusched.infra.leader import LeaderLease
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
 
@@ -33,6 +36,16 @@ SERVICE = "probe"
 RECORDED = "step.recorded"
 
 pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A data dir for this test's own server. Not pytest's tmp_path: pytest prunes old
+    base temp dirs, which would pull it from under the server when several test runs
+    share a machine."""
+    path = Path(tempfile.mkdtemp(prefix="gpusched-test-outage-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 async def apply_progress(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -116,9 +129,9 @@ def gauge(name: str) -> float:
 
 
 async def test_a_postgres_outage_longer_than_the_retry_budget_loses_and_dead_letters_nothing(
-    servers: Servers, prefix: str, tmp_path: Path
+    servers: Servers, prefix: str, tmp_path: Path, scratch: Path
 ) -> None:
-    pg = EmbeddedPostgres(tmp_path / "pg", port=free_port())
+    pg = EmbeddedPostgres(scratch / "pg", port=free_port())
     database_url = await asyncio.to_thread(pg.start)
     settings = Settings(
         nats_url=servers.nats_url,
@@ -169,11 +182,15 @@ async def test_a_postgres_outage_longer_than_the_retry_budget_loses_and_dead_let
 
 
 async def test_a_nats_outage_holds_the_outbox_backlog_and_publishes_all_of_it_after(
-    database_url: str, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    database_url: str,
+    prefix: str,
+    tmp_path: Path,
+    scratch: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Acks lost with the connection time out sooner here than in production.
     monkeypatch.setattr(outbox, "ACK_TIMEOUT_S", 2.0)
-    server = EmbeddedNats(tmp_path / "nats", port=free_port())
+    server = EmbeddedNats(scratch / "nats", port=free_port())
     nats_url = await asyncio.to_thread(server.start)
     settings = Settings(
         nats_url=nats_url,
@@ -235,3 +252,23 @@ async def test_a_nats_outage_holds_the_outbox_backlog_and_publishes_all_of_it_af
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_a_leader_whose_database_restarts_stops_leading_until_it_takes_the_lease_again(
+    scratch: Path,
+) -> None:
+    pg = EmbeddedPostgres(scratch / "pg", port=free_port())
+    url = await asyncio.to_thread(pg.start)
+    lease = LeaderLease(url, "probe.loop")
+    try:
+        assert await lease.try_acquire()
+        await asyncio.to_thread(pg.stop)
+        # Answered within the lease's bounds, not a hang: not the leader any more.
+        assert not await asyncio.wait_for(lease.try_acquire(), 15)
+        assert not await asyncio.wait_for(lease.try_acquire(), 15)
+        await asyncio.to_thread(pg.start)
+        assert await lease.try_acquire()
+        assert lease.is_leader
+    finally:
+        await lease.release()
+        await asyncio.to_thread(pg.stop)
