@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -31,7 +32,7 @@ from nats.js.errors import TooManyStalledMsgsError
 from gpusched.contracts.subjects import check_token
 from gpusched.infra import metrics
 from gpusched.infra.db import asyncpg_dsn, notify_channel
-from gpusched.infra.errors import is_outage
+from gpusched.infra.errors import Unavailable, is_outage
 from gpusched.infra.outages import Outage
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,12 @@ class OutboxRelay:
         service: str,
         batch: int = 1000,
         poll_interval_s: float = 0.5,
+        nats_connected: Callable[[], bool] | None = None,
     ) -> None:
         self._js = js
+        # While NATS is away, publishing would only pile copies of the batch into the
+        # client's reconnect buffer (and hold the rows' locks for the ack timeout).
+        self._nats_connected = nats_connected
         self._dsn = asyncpg_dsn(database_url)
         self._schema = check_token(schema, "schema")
         self._service = service
@@ -186,6 +191,8 @@ class OutboxRelay:
     async def drain_once(self) -> int:
         """Claim, publish and delete one batch; returns the number of rows published."""
         assert self._conn is not None
+        if self._nats_connected is not None and not self._nats_connected():
+            raise Unavailable("NATS is not connected")
         publish = self._js.publish_async
         async with self._conn.transaction():
             rows = await self._conn.fetch(self._claim_sql, self._batch)

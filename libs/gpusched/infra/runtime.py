@@ -89,6 +89,7 @@ class ServiceRuntime:
                 service=self.name,
                 batch=self.settings.outbox.batch,
                 poll_interval_s=self.settings.outbox.poll_interval_s,
+                nats_connected=lambda: self.nc.is_connected,
             )
 
     def consume(self, consumer: bus.Consumer) -> None:
