@@ -10,7 +10,9 @@ until acknowledged) and the bench records:
 
 - `<fault>.back`: the killed process running again (a server: answering again);
 - `<fault>.placed`: fault -> that probe placed;
-- `<fault>.finished`: fault -> that probe finished (its job events applied).
+- `<fault>.finished`: fault -> that probe finished (its job events applied);
+- `faults_recovered`: how many faults the stack came back from (baseline: how many were
+  injected); the bench stops at the first it does not come back from within the bound.
 
 A pause (the server frozen with SIGSTOP, unreachable with its sockets open) counts from
 the end of the pause, since its length is the bench's choice.
@@ -73,9 +75,12 @@ async def _inject(watched: WatchedStack, load: Load, fault: Fault) -> list[Figur
     else:
         since = time.monotonic()
         old = kill(stack, fault.target)
-        came_back, (took_placed, took_finished) = await asyncio.gather(
-            back(stack, fault.target, old, BOUND_S), _probe(load, since)
-        )
+        probe = asyncio.create_task(_probe(load, since))
+        try:
+            came_back = await back(stack, fault.target, old, BOUND_S)
+            took_placed, took_finished = await probe
+        finally:
+            probe.cancel()
     figures = [
         Figure(BENCH, f"{fault.name}.placed", took_placed, "s", _baseline.placed),
         Figure(BENCH, f"{fault.name}.finished", took_finished, "s", _baseline.finished),
@@ -127,9 +132,17 @@ async def _measure(ctx: Context, watched: WatchedStack, load: Load) -> list[Figu
     ctx.progress(
         f"recovery: no fault: placed {_baseline.placed:.2f}s, finished {_baseline.finished:.2f}s"
     )
+    recovered = 0
     for fault in FAULTS:
         await asyncio.sleep(3)  # let the stack settle after the last fault
-        got = await _inject(watched, load, fault)
+        try:
+            got = await _inject(watched, load, fault)
+        except AssertionError as exc:
+            # The stack did not come back: later faults would measure nothing.
+            ctx.progress(f"recovery: {fault.name} NOT recovered from: {exc}")
+            break
+        recovered += 1
         figures += got
         ctx.progress("recovery: " + ", ".join(f"{f.metric} {f.value:.2f}s" for f in got))
+    figures.append(Figure(BENCH, "faults_recovered", recovered, "faults", len(FAULTS)))
     return figures
