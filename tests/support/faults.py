@@ -412,7 +412,9 @@ class Load:
             else:
                 n = next(self._seq)
                 key, long = f"faults-{uuid.uuid4().hex[:12]}", n % self.long_every == 0
-            if await self.submit(key, long=long) is None and key not in self.acked:
+            answered = await self.submit(key, long=long) is not None
+            refused = any(k == key for k, _ in self.refused)
+            if not answered and not refused and key not in self.acked:
                 self._unanswered.append((key, long))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
