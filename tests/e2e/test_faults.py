@@ -157,18 +157,24 @@ async def _run_suite(
         progress(f"load stopped: {len(load.acked)} jobs acknowledged ({load.summary()})")
         await load.flush(recovery_s)
 
-        async def all_finished() -> str | bool:
-            rows = await job_rows(settings, load.team)
-            return all(r.state in FINISHED for r in rows) or _counts(rows)
+        async def all_finished() -> bool:
+            return all(r.state in FINISHED for r in await job_rows(settings, load.team))
 
         try:
             took = await within("every job finished", all_finished, settle_s)
             rows = await job_rows(settings, load.team)
         except AssertionError as exc:
+            rows = await job_rows(settings, load.team)
+            stuck = [
+                f"{r.job_id} {r.state} (attempt {r.attempt})"
+                for r in rows
+                if r.state not in FINISHED
+            ]
+            states = f"{_counts(rows)}; unfinished, e.g.: {stuck[:5]}"
             tails = "\n".join(
                 f"--- {s} ---\n{log_tail(watched.stack, s)}" for s in ("admission", "agent")
             )
-            raise AssertionError(f"{exc}\n{tails}") from None
+            raise AssertionError(f"{exc}: {states}\n{tails}") from None
         progress(f"every job finished {took:.1f}s after the load stopped ({_counts(rows)})")
 
         await load.resubmit_all()
