@@ -108,7 +108,8 @@ async def run(ctx: Context) -> list[Figure]:
     await asyncio.to_thread(watched.start)
     try:
         assert watched.settings.nats_url
-        async with Load(watched.settings.nats_url, prefix, rate=RATE) as load:
+        # Probes resent every half second: the figures' resolution, not a 3 s timeout's.
+        async with Load(watched.settings.nats_url, prefix, rate=RATE, timeout_s=0.5) as load:
             stop = asyncio.Event()
             background = asyncio.create_task(load.run(stop))
             try:

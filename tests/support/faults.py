@@ -307,6 +307,8 @@ class Load:
     short_steps: int = 40
     long_steps: int = 300
     step_seconds: float = 0.05
+    # How long a request waits for its answer; shorter measures a recovery more finely.
+    timeout_s: float = REQUEST_TIMEOUT_S
     acked: dict[str, Acked] = field(default_factory=dict)
     duplicates: list[tuple[str, str, str]] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
@@ -354,7 +356,7 @@ class Load:
         """The reply, or None when there was none in time (the server or service is away)."""
         assert self._nc is not None
         try:
-            msg = await self._nc.request(subject, body, timeout=REQUEST_TIMEOUT_S)
+            msg = await self._nc.request(subject, body, timeout=self.timeout_s)
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             self.outcomes[f"no answer ({type(exc).__name__})"] += 1
             return None
