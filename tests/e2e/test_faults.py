@@ -214,5 +214,5 @@ async def test_every_process_killed_and_both_servers_away_a_minute_lose_nothing(
     stack: WatchedStack,
 ) -> None:
     await _run_suite(
-        stack, EVERYTHING, rate=4.0, long_steps=600, gap_s=10.0, recovery_s=120.0, settle_s=240.0
+        stack, EVERYTHING, rate=3.0, long_steps=600, gap_s=10.0, recovery_s=120.0, settle_s=240.0
     )
