@@ -3,19 +3,26 @@ the CLI through its data dir, refuses a second copy, and SIGTERM stops everythin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+
+from gpusched.cli.client import ApiClient
+from gpusched.cli.stack import Stack
+from gpusched.infra.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +96,16 @@ class Up:
 
 
 @pytest.fixture
+def data_dir() -> Iterator[Path]:
+    # Not under tmp_path: as root, PostgreSQL runs as another user that must traverse
+    # every parent directory, and each new pytest session on the machine resets
+    # /tmp/pytest-of-root to 0700.
+    root = Path(tempfile.mkdtemp(prefix="gpusched-test-up-"))
+    yield root / "data"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
 def ups() -> Iterator[list[Up]]:
     started: list[Up] = []
     yield started
@@ -114,9 +131,8 @@ def _get_answers_not_found(env: dict[str, str], within_s: float = 60) -> None:
 
 @pytest.mark.timeout(420)
 def test_up_survives_kill_9_is_found_through_its_data_dir_and_keeps_its_ports(
-    tmp_path: Path, ups: list[Up]
+    tmp_path: Path, data_dir: Path, ups: list[Up]
 ) -> None:
-    data_dir = tmp_path / "data"
     env = _clean_env(data_dir)
     up = Up(env, tmp_path / "logs")
     ups.append(up)
@@ -215,3 +231,35 @@ def test_the_cli_without_a_stack_says_how_to_start_one(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert len(done.stderr.splitlines()) == 1
     assert "no stack found" in done.stderr and "gpusched up" in done.stderr
+
+
+@pytest.mark.timeout(300)
+async def test_a_stack_brings_back_a_killed_server_and_service_and_counts_the_restarts(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    # The API a fault suite drives: Stack.kill(name) and Stack.restarts(name).
+    settings = Settings(
+        nats_url=None, database_url=None, subject_prefix="upfault", data_dir=data_dir
+    )
+    stack = Stack(settings, services=("admission",), log_dir=tmp_path / "logs")
+    await asyncio.to_thread(stack.start)
+    try:
+        await stack.wait_until_ready(120)
+        pg_port = stack.settings.database_url
+
+        for name in ("postgres", "nats", "admission"):
+            before = stack.pid(name)
+            stack.kill(name)
+            deadline = time.monotonic() + 60
+            while stack.restarts(name) < 1:
+                assert time.monotonic() < deadline, f"{name} did not come back"
+                await asyncio.sleep(0.1)
+            assert stack.pid(name) != before
+
+        assert stack.settings.database_url == pg_port
+        await stack.wait_until_ready(120)
+        async with ApiClient(stack.settings.nats_url or "", "upfault") as api:
+            await api.wait_until_serving()
+        assert stack.failure is None
+    finally:
+        await asyncio.to_thread(stack.stop)

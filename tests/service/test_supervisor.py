@@ -325,3 +325,17 @@ def test_a_clean_stop_stops_every_child_and_restarts_none(
     assert not any(map(process_alive, pids))
     assert supervisor.pids == {}
     assert supervisor.restarts("a") == supervisor.restarts("b") == 0
+
+
+def test_kills_on_request_are_restarted_but_never_count_as_a_crash_loop(
+    make_supervisor: Callable[..., Supervisor],
+) -> None:
+    supervisor = make_supervisor([ProcessSpec("a", SLEEPER)], policy=FAST)
+    supervisor.start()
+
+    for round_ in range(1, FAST.crash_loop_exits + 3):
+        supervisor.kill("a")
+        assert eventually(lambda: supervisor.restarts("a") == round_)
+
+    assert supervisor.failure is None
+    assert process_alive(supervisor.pid("a"))

@@ -121,10 +121,23 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _port(watched: _Watched | None) -> int | None:
+    """The server's port, or None if it never got one (it failed to start)."""
+    if watched is None:
+        return None
+    try:
+        return watched.server.port
+    except EmbeddedServerError:
+        return None
+
+
 def _monitor_port(watched: _Watched | None) -> int | None:
     if watched is None or not isinstance(watched.server, EmbeddedNats):
         return None
-    return int(watched.server.monitor_url.rsplit(":", 1)[1])
+    try:
+        return int(watched.server.monitor_url.rsplit(":", 1)[1])
+    except EmbeddedServerError:
+        return None
 
 
 @dataclass
@@ -136,6 +149,8 @@ class _Watched:
     started_at: float = field(default_factory=time.monotonic)
     due: float | None = None
     restarts: int = 0
+    # Its next exit was caused by kill(): restarted, but no crash (see Supervisor.kill).
+    killed: bool = False
 
 
 @dataclass
@@ -236,9 +251,12 @@ class Stack:
     # -- fault injection and observation -----------------------------------------
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to a service, "nats" or "postgres"; what dies is restarted."""
+        """Send `sig` to a service, "nats" or "postgres"; what dies is restarted (such an
+        exit never counts toward a crash loop)."""
         if name in self._servers:
-            self._servers[name].server.kill(sig)
+            watched = self._servers[name]
+            watched.killed = True
+            watched.server.kill(sig)
             return
         if self.supervisor is None:
             raise KeyError(f"no running process named {name!r}")
@@ -368,9 +386,9 @@ class Stack:
             nats_url=self.settings.nats_url,
             database_url=self.settings.database_url,
             subject_prefix=self.settings.subject_prefix,
-            nats_port=None if nats is None else nats.server.port,
+            nats_port=_port(nats),
             nats_monitor_port=_monitor_port(nats),
-            postgres_port=None if pg is None else pg.server.port,
+            postgres_port=_port(pg),
             log_dir=None if self.log_dir is None else str(self.log_dir.resolve()),
             pids=pids,
         )
@@ -403,7 +421,11 @@ class Stack:
             if server.is_running:
                 return True
             returncode = server.returncode
-            delay = watched.backoff.on_exit(now, watched.started_at)
+            if watched.killed:
+                watched.killed = False
+                delay: float | None = self.policy.first_backoff_s
+            else:
+                delay = watched.backoff.on_exit(now, watched.started_at)
             if delay is None:
                 return self._give_up(name, watched)
             log.warning(

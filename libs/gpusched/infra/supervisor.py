@@ -287,6 +287,8 @@ class Supervisor:
         self._children: dict[str, _Child] = {}
         # Names being restarted by restart(): their exit is expected, the watcher skips them.
         self._restarting: set[str] = set()
+        # Names whose next exit was caused by kill(): restarted, but not a crash.
+        self._killed: set[str] = set()
         # Dead children waiting out their backoff: name -> monotonic time of the restart.
         self._due: dict[str, float] = {}
         self._backoff: dict[str, Backoff] = {}
@@ -404,14 +406,20 @@ class Supervisor:
                 new = self._launch(old.spec)
                 self._children[name] = new
                 self._due.pop(name, None)
+                self._killed.discard(name)
             return new.process.pid
         finally:
             with self._lock:
                 self._restarting.discard(name)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to one child; if it dies, the watcher restarts it like any crash."""
-        self._child(name).process.send_signal(sig)
+        """Send `sig` to one child (fault injection); if it dies, the watcher restarts it
+        after the first backoff. An exit we caused is no crash: it never counts toward a
+        crash loop, so tests may kill a child as often as they like."""
+        with self._lock:
+            child = self._child(name)
+            self._killed.add(name)
+            child.process.send_signal(sig)
 
     # -- internals -----------------------------------------------------------------
 
@@ -492,7 +500,11 @@ class Supervisor:
                     )
                     return exit_status(returncode), f"process {name!r} exited"
                 backoff = self._backoff.setdefault(name, Backoff(self.policy))
-                delay = backoff.on_exit(now, child.started_at)
+                if name in self._killed:
+                    self._killed.discard(name)
+                    delay: float | None = self.policy.first_backoff_s
+                else:
+                    delay = backoff.on_exit(now, child.started_at)
                 if delay is None:
                     reason = (
                         f"process {name!r} is crash-looping ({backoff.recent_exits} exits "
