@@ -263,3 +263,60 @@ async def test_a_stack_brings_back_a_killed_server_and_service_and_counts_the_re
         assert stack.failure is None
     finally:
         await asyncio.to_thread(stack.stop)
+
+
+def test_an_unexpected_error_is_one_line_unless_debug_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpusched.cli import main as cli
+
+    def broken(_: object) -> int:
+        raise ValueError("the disk is full\nsecond line")
+
+    monkeypatch.setattr(cli, "_get", broken)
+    monkeypatch.delenv("GPUSCHED_DEBUG", raising=False)
+
+    assert cli.main(["get", "job-1"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "gpusched: unexpected error: ValueError: the disk is full "
+        "(run with --debug or GPUSCHED_DEBUG=1 for the traceback)"
+    ]
+
+    assert cli.main(["--debug", "get", "job-1"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_the_cli_says_which_stack_file_it_cannot_read(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "stack.json").write_text("{not json")
+
+    done = _gpusched("get", "job-000000000000", env=_clean_env(data_dir))
+
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"gpusched: {data_dir / 'stack.json'} is not a valid stack file; remove it and start "
+        "the stack again (`gpusched up`), or set GPUSCHED_NATS_URL"
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_up_gives_up_on_a_crash_looping_service_in_one_line_and_exits_1(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    env = _clean_env(data_dir)
+    # Admission cannot start without its inventory: it dies at every start.
+    env["GPUSCHED_ADMISSION__INVENTORY_PATH"] = str(tmp_path / "missing.yaml")
+
+    started = time.monotonic()
+    done = _gpusched("up", "--log-dir", str(tmp_path / "logs"), env=env, timeout=150)
+
+    assert done.returncode == 1
+    assert time.monotonic() - started < 120
+    lines = [line for line in done.stderr.splitlines() if line.startswith("gpusched:")]
+    assert len(lines) == 1, done.stderr
+    assert "'admission' is crash-looping" in lines[0]
+    assert str(tmp_path / "logs" / "admission.log") in lines[0]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert _stack_file(data_dir)["running"] is False

@@ -335,7 +335,7 @@ def test_kills_on_request_are_restarted_but_never_count_as_a_crash_loop(
 
     for round_ in range(1, FAST.crash_loop_exits + 3):
         supervisor.kill("a")
-        assert eventually(lambda: supervisor.restarts("a") == round_)
+        assert eventually(lambda n=round_: supervisor.restarts("a") == n)
 
     assert supervisor.failure is None
     assert process_alive(supervisor.pid("a"))

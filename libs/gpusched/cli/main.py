@@ -195,7 +195,7 @@ def _up(args: argparse.Namespace) -> int:
         try:
             asyncio.run(stack.wait_until_ready(args.ready_timeout))
         except StackNotReady as exc:
-            print(f"gpusched: the stack is {exc}", file=sys.stderr)
+            print(f"gpusched: {exc}", file=sys.stderr)
             return 1
         ready = True
         print(

@@ -306,12 +306,14 @@ class Stack:
         fetching: set[str] = set()
         missing: list[str] = []
         while True:
+            if self.failure is not None:
+                raise StackNotReady(self.failure)
             missing = await self._not_ready(fetching)
             if not missing:
                 return
             if loop.time() > deadline:
                 raise StackNotReady(
-                    f"not ready after {timeout_s:.0f}s: {'; '.join(missing)}"
+                    f"the stack is not ready after {timeout_s:.0f}s: {'; '.join(missing)}"
                     + (f" (logs in {self.log_dir})" if self.log_dir is not None else "")
                 )
             await asyncio.sleep(0.3)

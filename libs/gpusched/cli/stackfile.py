@@ -80,7 +80,10 @@ def read_stack_file(data_dir: Path) -> StackFile | None:
     try:
         return StackFile.model_validate_json(raw)
     except ValidationError as exc:
-        raise StackFileError(f"{path} is not a stack file ({exc.error_count()} errors)") from exc
+        raise StackFileError(
+            f"{path} is not a valid stack file; remove it and start the stack again "
+            "(`gpusched up`), or set GPUSCHED_NATS_URL"
+        ) from exc
 
 
 def write_stack_file(data_dir: Path, content: StackFile) -> Path:
