@@ -150,7 +150,11 @@ def test_up_survives_kill_9_is_found_through_its_data_dir_and_keeps_its_ports(
     # A second `up` on the same data dir refuses, and starts no servers.
     second = _gpusched("up", env=env, timeout=60)
     assert second.returncode == 1
-    assert "already runs on data dir" in second.stderr
+    assert second.stderr.splitlines() == [
+        f"gpusched: a stack already runs on data dir {data_dir} (pid {up.process.pid}); "
+        "stop it first, or set GPUSCHED_DATA_DIR to another directory"
+    ]
+    assert second.stdout == ""
     assert "Traceback" not in second.stdout + second.stderr
 
     # kill -9 of a service: it comes back and serves; nothing else stops.

@@ -186,12 +186,13 @@ def _up(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     ready = False
     try:
-        print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
         try:
-            resolved = stack.start()
+            stack.claim()
         except StackRunning as exc:
             print(f"gpusched: {exc}", file=sys.stderr)
             return 1
+        print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
+        resolved = stack.start()
         try:
             asyncio.run(stack.wait_until_ready(args.ready_timeout))
         except StackNotReady as exc:

@@ -185,10 +185,8 @@ class Stack:
 
         Raises StackRunning if another process runs a stack on the same data dir.
         """
+        self.claim()
         data_dir = self.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = StackLock(data_dir)
-        self._lock.acquire()
         nats_url, db_url = self.settings.nats_url, self.settings.database_url
         try:
             previous = self._previous()
@@ -232,6 +230,14 @@ class Stack:
             self.stop()
             raise
         return self.settings
+
+    def claim(self) -> None:
+        """Take the data dir for this stack (start() does it too); StackRunning if another
+        process runs a stack there."""
+        if self._lock is None or not self._lock.held:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = StackLock(self.data_dir)
+            self._lock.acquire()
 
     def wait(self) -> int:
         """Block until SIGINT/SIGTERM or a crash loop (see Supervisor.wait); then stop all."""
