@@ -72,10 +72,16 @@ def main() -> int:
         job.started(resumed_from=job.resume_checkpoint_id)
         print(f"job {job.job_id} attempt {job.attempt} from step {model.step}", flush=True)
 
+        connected = job.connection_state.connected
         while model.step < args.steps:
             loss = model.train_step()
             if model.step % args.progress_every == 0:
+                # Never blocks for long or fails when the control plane is away: the
+                # SDK buffers events and delivers them once it is back.
                 job.progress(model.step, loss=round(loss, 6), weight=round(model.weight, 6))
+                if (state := job.connection_state).connected != connected:
+                    connected = state.connected
+                    print(f"control plane: {state} (step {model.step})", flush=True)
             # Between steps, never in the middle of one: the state is consistent here.
             if (request := job.checkpoint_requested) is not None:
                 path = ckpt_dir / f"ckpt-{model.step}.json"

@@ -19,6 +19,8 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.service.test_agent_service import Cluster, sim
+from tests.service.test_checkpoint_service import checkpoint_file
+from tests.service.test_checkpoint_service import running as checkpoint_service
 from tests.support.admission import Admission, Client, start_admission, with_inventory
 from tests.support.waiting import eventually
 
@@ -28,6 +30,8 @@ from gpusched.agent.app import start_agent
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.messages import (
     CheckpointConfirmed,
+    CheckpointInfo,
+    CheckpointVerified,
     GpuReading,
     GpuSample,
     InventoryChanged,
@@ -108,17 +112,44 @@ async def changes(client: Client) -> list[tuple[str, str]]:
 
 
 async def confirm_checkpoint(client: Client, job_id: str, step: int) -> None:
+    """The checkpoint service announces a checkpoint of the job it verified, as it would."""
+    verified = CheckpointVerified(
+        job_id=job_id,
+        request_id=None,
+        checkpoint=CheckpointInfo(
+            checkpoint_id=f"ckpt-{step}",
+            step=step,
+            uri=f"file:///ckpt/{step}",
+            bytes=2048,
+            sha256="a" * 64,
+            stage=StageName.PERSISTED,
+        ),
+        confirmed_at=utcnow(),
+    )
+    envelope = make_envelope(
+        T.CHECKPOINT_VERIFIED, verified, source="checkpoint", correlation_id=job_id
+    )
+    subject = client.s.event("checkpoint", T.CHECKPOINT_VERIFIED)
+    await client.js.publish(subject, envelope.to_bytes())
+
+
+async def claim_checkpoint(
+    client: Client, job_id: str, step: int, **lie: Any
+) -> tuple[str, int, str]:
+    """The job, through the SDK, claims a checkpoint it wrote; `lie` overrides what the
+    claim says about it (uri, bytes, sha256). The checkpoint service judges the claim."""
+    uri, size, sha256 = checkpoint_file(job_id, step)
+    claim = {"uri": uri, "bytes": size, "sha256": sha256, **lie}
     confirmed = CheckpointConfirmed(
         request_id=None,
         checkpoint_id=f"ckpt-{step}",
         step=step,
-        uri=f"file:///ckpt/{step}",
-        bytes=2048,
-        sha256="a" * 64,
         stage=StageName.PERSISTED,
+        **claim,
     )
     envelope = make_envelope(T.CHECKPOINT_CONFIRMED, confirmed, source="sdk", correlation_id=job_id)
     await client.js.publish(client.s.job_events(job_id), envelope.to_bytes())
+    return claim["uri"], claim["bytes"], claim["sha256"]
 
 
 def node_of(job: dict[str, Any]) -> str:
@@ -201,6 +232,46 @@ async def test_a_failed_node_requeues_training_from_its_latest_checkpoint_and_au
     assert starts[1].data["resume_from"]["checkpoint_id"] == "ckpt-300"
     assert (await changes(client))[-1] == ("failed", lost_node)
     assert (await nodes.states())[lost_node] == "failed"
+
+
+async def test_a_claim_the_checkpoint_service_rejected_is_never_resumed_from_shown_or_counted(
+    admission_settings: Settings, admission: Admission, client: Client, nodes: Nodes
+) -> None:
+    async with checkpoint_service(admission_settings):
+        job = await client.job_in(await client.submitted(gpus={"count": 4}), "running")
+        job_id = job["job_id"]
+        await claim_checkpoint(client, job_id, step=100)
+        [announced] = await client.events(client.s.event("checkpoint", T.CHECKPOINT_VERIFIED), 1)
+        verified = announced.payload(CheckpointVerified)
+        assert (verified.job_id, verified.checkpoint.checkpoint_id) == (job_id, "ckpt-100")
+
+        async def shown() -> bool:
+            latest = (await client.job(job_id))["latest_checkpoint"]
+            return latest is not None and latest["checkpoint_id"] == "ckpt-100"
+
+        await eventually(shown, within=20)
+        # Later claims that storage contradicts: a missing file, then a wrong sha256.
+        await asyncio.sleep(2)  # so lost work from a claim's time would show
+        await claim_checkpoint(client, job_id, step=200, uri="file:///nowhere/ckpt-200.bin")
+        await claim_checkpoint(client, job_id, step=300, sha256="f" * 64)
+        await client.audits("checkpoint.unverified", job_id, 2)
+
+        assert (await client.job(job_id))["latest_checkpoint"]["checkpoint_id"] == "ckpt-100"
+        failed = await nodes.do(NodeVerb.FAIL, node_of(job), "PSU smoke")
+        assert failed["ok"], failed
+        [lost] = await client.audits("work.lost", job_id, 1)
+        assert lost.data["details"]["resume_from"] == "ckpt-100"
+        since_verified = (lost.time - verified.confirmed_at).total_seconds()
+        assert lost.data["details"]["lost_gpu_seconds"] == pytest.approx(4 * since_verified, abs=2)
+
+        again = await client.job_in(job_id, "running")
+        assert again["resume_from"]["checkpoint_id"] == "ckpt-100"
+        assert again["latest_checkpoint"]["checkpoint_id"] == "ckpt-100"
+        starts = await client.events(client.s.command("agent", T.START_WORKLOAD), 2)
+        assert starts[1].data["resume_from"]["checkpoint_id"] == "ckpt-100"
+        # Only the verified claim was ever announced.
+        announced_all = await client.all_events(client.s.event("checkpoint", T.CHECKPOINT_VERIFIED))
+        assert [e.data["checkpoint"]["checkpoint_id"] for e in announced_all] == ["ckpt-100"]
 
 
 async def test_the_agents_health_reports_fail_and_recover_a_node(

@@ -652,6 +652,61 @@ async def test_a_checkpoint_claim_that_storage_contradicts_is_no_confirmation(
     assert (await saga_of(rt, v.job_id))["checkpoint"]["checkpoint_id"] == "ckpt-13"
 
 
+async def test_a_verified_checkpoint_is_announced_once_and_a_false_claim_never(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    first = await confirm(rt, v, 10)
+    await rt.js.publish(rt.subjects.job_events(v.job_id), first.to_bytes())  # redelivered
+    await confirm(rt, v, 10)  # the same claim again, under a new id
+    await confirm(rt, v, 11, claim={"sha256": "0" * 64})
+    await confirm(rt, v, 11, claim={"uri": (CHECKPOINTS / v.job_id / "gone.bin").as_uri()})
+    # The job's claims are applied in order: once step 12 is announced, all were seen.
+    await confirm(rt, v, 12, StageName.SNAPSHOTTED)
+    await confirm(rt, v, 12, StageName.PERSISTED)  # the same checkpoint, now durable
+
+    announced = await wait_for(rt, outcome(rt, T.CHECKPOINT_VERIFIED), 3)
+    assert [
+        (e.data["checkpoint"]["checkpoint_id"], e.data["checkpoint"]["stage"]) for e in announced
+    ] == [("ckpt-10", "persisted"), ("ckpt-12", "snapshotted"), ("ckpt-12", "persisted")]
+    assert all(e.data["job_id"] == v.job_id and e.correlation_id == v.job_id for e in announced)
+    assert all(e.data["request_id"] is None for e in announced)
+    assert announced[0].causation_id == first.id
+    await asyncio.sleep(1)  # nothing more follows
+    assert len(await stored(rt, outcome(rt, T.CHECKPOINT_VERIFIED))) == 3
+
+
+async def test_an_evictions_confirmation_is_announced_with_its_request(
+    service: ServiceRuntime,
+) -> None:
+    rt, v = service, victim()
+    await request_eviction(rt, v)
+    await checkpoint_requested(rt, v)
+    await confirm(rt, v, 10, request_id=v.request_id, claim={"bytes": 1})  # false
+    await confirm(rt, v, 10, request_id=v.request_id)
+
+    [announced] = await wait_for(rt, outcome(rt, T.CHECKPOINT_VERIFIED))
+    assert announced.data["request_id"] == v.request_id
+    assert announced.data["checkpoint"]["checkpoint_id"] == "ckpt-10"
+    catalogued = await ask(rt, latest_checkpoint_subject(rt.subjects), {"job_id": v.job_id})
+    assert datetime.fromisoformat(announced.data["confirmed_at"]) == datetime.fromisoformat(
+        catalogued["confirmed_at"]
+    )
+
+
+async def test_with_verification_off_every_claim_is_taken_on_trust_and_audited_as_such(
+    settings: Settings,
+) -> None:
+    async with running(with_checkpoint(settings, verify_uris=False)) as rt:
+        v = victim()
+        await confirm(rt, v, 10, claim={"sha256": "0" * 64})
+
+        [announced] = await wait_for(rt, outcome(rt, T.CHECKPOINT_VERIFIED))
+        assert announced.data["checkpoint"]["sha256"] == "0" * 64
+        trusted = await wait_for_audit(rt, v.job_id, "checkpoint.trusted")
+        assert trusted["details"]["verification"] == "unverifiable"
+
+
 async def test_a_false_claim_leaves_the_deadline_to_decide_and_the_force_is_audited(
     hasty: Settings,
 ) -> None:

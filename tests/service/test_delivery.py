@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import JobProgress, T
 from gpusched.infra import bus
 from gpusched.infra.db import UnitOfWork
+from gpusched.infra.errors import Unavailable
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
 
@@ -158,3 +160,76 @@ async def test_a_handler_that_keeps_failing_is_dead_lettered_after_max_deliver(
     finally:
         runtime.request_stop()
         await asyncio.wait_for(task, 15)
+
+
+@pytest.mark.parametrize("edge", [False, True], ids=["with-database", "edge"])
+async def test_a_handler_meeting_an_outage_keeps_its_message_without_spending_its_budget(
+    settings: Settings, edge: bool
+) -> None:
+    fast = settings.model_copy(
+        update={"bus": settings.bus.model_copy(update={"max_deliver": 2, "nak_delay_s": 0.05})}
+    )
+    runtime = ServiceRuntime("probe", "probe", fast, MIGRATIONS)
+    await runtime.start()
+    attempts = 0
+    applied: list[int] = []
+
+    async def flaky_server(envelope: Envelope) -> None:
+        # Five outages in a row: more than twice the delivery budget.
+        nonlocal attempts
+        attempts += 1
+        if attempts <= 5:
+            raise Unavailable("database unreachable")
+        applied.append(envelope.payload(JobProgress).step)
+
+    async def with_uow(envelope: Envelope, uow: UnitOfWork) -> None:
+        await flaky_server(envelope)
+
+    runtime.consume(
+        bus.Consumer(
+            "probe-outage",
+            runtime.subjects.stream("JOBS"),
+            [runtime.subjects.all_job_events],
+            handlers={} if edge else {T.JOB_PROGRESS: with_uow},
+            edge_handlers={T.JOB_PROGRESS: flaky_server} if edge else {},
+        )
+    )
+    task = asyncio.create_task(runtime.run())
+    try:
+        await runtime.js.publish(runtime.subjects.job_events("job-1"), progress(1).to_bytes())
+        await runtime.js.publish(runtime.subjects.job_events("job-1"), progress(2).to_bytes())
+        assert await eventually(lambda: _value(len(applied) == 2)) is True
+        # In order: the first message was held while the server was away, not skipped.
+        assert applied == [1, 2]
+        info = await runtime.js.stream_info(runtime.subjects.stream("DLQ"))
+        assert info.state.messages == 0
+        assert not task.done()
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)
+
+
+async def test_a_runtime_run_inside_a_program_leaves_its_signal_handlers_alone(
+    settings: Settings,
+) -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    runtime = ServiceRuntime("probe", "probe", settings, MIGRATIONS)
+    await runtime.start()
+    runtime.consume(
+        bus.Consumer("probe-signals", runtime.subjects.stream("JOBS"),
+                     [runtime.subjects.all_job_events], {T.JOB_PROGRESS: apply_progress})
+    )  # fmt: skip
+    task = asyncio.create_task(runtime.run())
+    try:
+        await runtime.js.publish(runtime.subjects.job_events("job-1"), progress(5).to_bytes())
+        assert await eventually(lambda: steps(runtime)) == [("job-1", 5)]
+        # Running: Ctrl-C and SIGTERM still belong to the program (here pytest).
+        assert {sig: signal.getsignal(sig) for sig in before} == before
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+async def _value(value: bool) -> bool:
+    return value

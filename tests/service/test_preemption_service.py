@@ -7,10 +7,11 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import BaseModel
 from tests.support.waiting import eventually, stream_messages
 
@@ -18,6 +19,8 @@ from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.messages import (
     AllocationGranted,
     CheckpointConfirmed,
+    CheckpointInfo,
+    CheckpointVerified,
     EvictionAborted,
     EvictionCompleted,
     EvictionRequested,
@@ -136,6 +139,23 @@ def snapshot(
 
 async def send_snapshot(rt: ServiceRuntime, snap: PoolSnapshot) -> Envelope:
     return await event(rt, "ingest", T.POOL_SNAPSHOT, snap)
+
+
+CHECKPOINT = CheckpointInfo(
+    checkpoint_id="c1", step=100, uri="s3://ckpt/c1", bytes=1, sha256="0" * 64,
+    stage=StageName.PERSISTED,
+)  # fmt: skip
+
+
+async def verified(
+    rt: ServiceRuntime, job_id: str, confirmed_at: datetime | None = None
+) -> Envelope:
+    """The checkpoint service announces a checkpoint it verified, as it would."""
+    announced = CheckpointVerified(
+        job_id=job_id, request_id=None, checkpoint=CHECKPOINT,
+        confirmed_at=confirmed_at or utcnow(),
+    )  # fmt: skip
+    return await event(rt, "checkpoint", T.CHECKPOINT_VERIFIED, announced, correlation_id=job_id)
 
 
 # --- outputs -------------------------------------------------------------------------------
@@ -327,14 +347,7 @@ async def test_the_victim_within_a_class_is_the_one_with_least_work_since_its_ch
     await grant(preemption, "a-old", P2)
     await grant(preemption, "a-fresh", P2)
     await allocations_known(preemption, 2)
-    confirmed = CheckpointConfirmed(
-        request_id=None, checkpoint_id="c1", step=100, uri="s3://ckpt/c1", bytes=1,
-        sha256="0" * 64, stage=StageName.PERSISTED,
-    )  # fmt: skip
-    envelope = make_envelope(
-        T.CHECKPOINT_CONFIRMED, confirmed, source="sdk", correlation_id="job-a-fresh"
-    )
-    await publish(preemption, preemption.subjects.job_events("job-a-fresh"), envelope)
+    await verified(preemption, "job-a-fresh")
     await wait_for(
         preemption,
         "SELECT count(*) FROM {s}.allocations WHERE last_checkpoint_at IS NOT NULL",
@@ -347,6 +360,41 @@ async def test_the_victim_within_a_class_is_the_one_with_least_work_since_its_ch
     assert request.allocation_id == "a-fresh"
 
 
+async def test_only_a_verified_checkpoint_counts_for_lost_work_and_the_victim_choice(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-claimed", P2)
+    await grant(preemption, "a-verified", P2)
+    await allocations_known(preemption, 2)
+    # A job's raw claim (which the checkpoint service may yet reject) saves nothing.
+    claim = CheckpointConfirmed(
+        request_id=None, checkpoint_id="c9", step=900, uri="file:///nowhere/c9", bytes=1,
+        sha256="0" * 64, stage=StageName.PERSISTED,
+    )  # fmt: skip
+    raw = make_envelope(T.CHECKPOINT_CONFIRMED, claim, source="sdk", correlation_id="job-a-claimed")
+    await publish(preemption, preemption.subjects.job_events("job-a-claimed"), raw)
+    ten_minutes_ago = utcnow() - timedelta(minutes=10)
+    await verified(preemption, "job-a-verified", confirmed_at=ten_minutes_ago)
+    await wait_for(
+        preemption,
+        "SELECT count(*) FROM {s}.allocations WHERE last_checkpoint_at IS NOT NULL "
+        "AND allocation_id = 'a-verified'",
+        1,
+    )
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    [request] = await evictions(preemption, 1)
+    assert request.allocation_id == "a-verified"
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    [chosen] = expand["details"]["candidates"]["ranked"]
+    # 2 GPUs x the 10 minutes since the verified checkpoint (plus the test's own seconds).
+    lost = float(chosen["reason"].split(", ")[1].split(" GPU-seconds since last checkpoint")[0])
+    assert 1200 <= lost < 1300, chosen["reason"]
+    claimed = "SELECT last_checkpoint_at FROM {s}.allocations WHERE allocation_id = 'a-claimed'"
+    assert await scalar(preemption, claimed) is None
+
+
 async def test_borrowed_capacity_is_reclaimed_before_guaranteed_capacity_of_its_class(
     preemption: ServiceRuntime,
 ) -> None:
@@ -354,14 +402,7 @@ async def test_borrowed_capacity_is_reclaimed_before_guaranteed_capacity_of_its_
     await grant(preemption, "a-borrowed", P2, borrowed=True)
     await allocations_known(preemption, 2)
     # The guaranteed job just checkpointed: it would lose less work, but it is in quota.
-    confirmed = CheckpointConfirmed(
-        request_id=None, checkpoint_id="c1", step=100, uri="s3://ckpt/c1", bytes=1,
-        sha256="0" * 64, stage=StageName.PERSISTED,
-    )  # fmt: skip
-    envelope = make_envelope(
-        T.CHECKPOINT_CONFIRMED, confirmed, source="sdk", correlation_id="job-a-guaranteed"
-    )
-    await publish(preemption, preemption.subjects.job_events("job-a-guaranteed"), envelope)
+    await verified(preemption, "job-a-guaranteed")
     await wait_for(
         preemption,
         "SELECT count(*) FROM {s}.allocations WHERE last_checkpoint_at IS NOT NULL",
@@ -476,7 +517,7 @@ async def test_the_windows_live_in_the_database_and_a_lapse_restarts_them(
         ("ingest", T.POOL_SNAPSHOT, "event"),
         ("checkpoint", T.EVICTION_ABORTED, "event"),
         ("checkpoint", T.EVICTION_COMPLETED, "event"),
-        ("sdk", T.CHECKPOINT_CONFIRMED, "job"),
+        ("checkpoint", T.CHECKPOINT_VERIFIED, "event"),
     ],
 )
 async def test_a_malformed_message_on_each_consumed_subject_is_dead_lettered(
@@ -510,3 +551,151 @@ async def test_an_outcome_for_an_eviction_never_requested_is_rejected(
 
     [dead] = await stream_messages(preemption.js, preemption.subjects.dead_letter("preemption"), 1)
     assert dead.headers["Gpusched-Reason"] == "rejected"
+
+
+# --- one bad input never stops the controller -----------------------------------------------
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def stored_audits(rt: ServiceRuntime, action: str) -> list[dict[str, Any]]:
+    stream = await rt.js.find_stream_name_by_subject(rt.subjects.audit(action))
+    info = await rt.js.stream_info(stream, subjects_filter=rt.subjects.audit(action))
+    count = sum((info.state.subjects or {}).values())
+    if count == 0:
+        return []
+    msgs = await stream_messages(rt.js, rt.subjects.audit(action), count)
+    return [Envelope.from_bytes(m.data).data for m in msgs]
+
+
+async def send_raw_snapshot(rt: ServiceRuntime, snap: PoolSnapshot, **data: Any) -> Envelope:
+    """A snapshot whose data the test overrides past what the model allows."""
+    envelope = make_envelope(T.POOL_SNAPSHOT, snap, source="ingest")
+    raw = json.loads(envelope.to_bytes())
+    raw["data"].update(data)
+    await rt.js.publish(rt.subjects.event("ingest", T.POOL_SNAPSHOT), json.dumps(raw).encode())
+    return envelope
+
+
+async def test_a_service_reading_that_cannot_be_read_is_skipped_and_the_controller_still_decides(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+    before = metric("gpusched_preemption_inputs_skipped_total", kind="service_reading")
+    bad_services = [
+        {"service": "chat", "p99_ms": None, "queue_depth": 0, "requests": 5},
+        {"service": "search", "p99_ms": 1e15, "queue_depth": 0, "requests": 5},
+        {"service": "ok", "p99_ms": 20.0, "queue_depth": 0, "requests": 5},
+    ]
+    await send_raw_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4), services=bad_services)
+
+    await reserves(preemption, 1)  # the expansion went ahead on the readable rest
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    assert [s["service"] for s in expand["details"]["services"]] == ["ok"]
+    skipped = await audits(preemption, "preempt.input_skipped", 2)
+    assert sorted(r["entity"] for r in skipped) == ["chat", "search"]
+    assert all(r["details"]["kind"] == "service_reading" for r in skipped)
+    assert all("p99_ms" in r["reason"] for r in skipped)
+
+    # The same bad readings again: counted again, audited once.
+    again = await send_raw_snapshot(
+        preemption, snapshot(0.95, 0.9, shared_gpus=4), services=bad_services
+    )
+    await applied(preemption, again)
+    assert metric("gpusched_preemption_inputs_skipped_total", kind="service_reading") == before + 4
+    assert len(await stored_audits(preemption, "preempt.input_skipped")) == 2
+    assert await stored_audits(preemption, "message.dead_lettered") == []
+
+
+async def test_an_allocation_that_cannot_be_read_is_skipped_and_the_rest_are_still_chosen_from(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-bad", P2)
+    await grant(preemption, "a-good", P1)
+    await allocations_known(preemption, 2)
+    # Stored data this version cannot read: a class it does not know.
+    async with preemption.uow() as uow:
+        await uow.execute(
+            f"UPDATE {preemption.schema}.allocations SET priority_class = 'p9-unknown' "
+            "WHERE allocation_id = 'a-bad'"
+        )
+        await uow.commit()
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    [request] = await evictions(preemption, 1)
+    assert request.allocation_id == "a-good"
+    [skipped] = await audits(preemption, "preempt.input_skipped", 1)
+    assert skipped["entity"] == "a-bad"
+    assert skipped["details"]["kind"] == "allocation"
+    assert "p9-unknown" in skipped["reason"]
+
+
+async def test_a_failing_decision_round_is_audited_once_per_error_and_counted_each_time(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+    before = metric("gpusched_preemption_tick_failures_total", error="IntegrityError")
+    # A fault no message caused: every decision the round makes is refused the same way.
+    async with preemption.uow() as uow:
+        await uow.execute(
+            f"ALTER TABLE {preemption.schema}.decisions ADD CONSTRAINT refuse_all CHECK (false)"
+        )
+        await uow.commit()
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+
+    async def failed_rounds() -> bool:
+        counted = metric("gpusched_preemption_tick_failures_total", error="IntegrityError")
+        return counted - before >= 5
+
+    await eventually(failed_rounds, within=20)  # rounds run every 0.1 s
+    [record] = await stored_audits(preemption, "preempt.tick_failed")
+    assert record["entity"] == "controller"
+    assert record["details"]["error_type"] == "IntegrityError"
+    assert "refuse_all" in record["details"]["error"]
+
+    # The fault goes away: the very next round decides.
+    async with preemption.uow() as uow:
+        await uow.execute(f"ALTER TABLE {preemption.schema}.decisions DROP CONSTRAINT refuse_all")
+        await uow.commit()
+    await reserves(preemption, 1)
+    assert len(await stored_audits(preemption, "preempt.tick_failed")) == 1
+
+
+async def test_a_stored_reading_that_cannot_be_read_waits_for_the_next_snapshot(
+    preemption: ServiceRuntime,
+) -> None:
+    await send_snapshot(preemption, snapshot(0.5, 0.5, shared_gpus=4))
+    await wait_for(preemption, "SELECT count(*) FROM {s}.controller WHERE reading IS NOT NULL", 1)
+    async with preemption.uow() as uow:
+        await uow.execute(
+            f"UPDATE {preemption.schema}.controller SET reading = "
+            "jsonb_set(reading, '{pools}', '\"broken\"')"
+        )
+        await uow.commit()
+    [skipped] = await audits(preemption, "preempt.input_skipped", 1)
+    assert skipped["details"]["kind"] == "pool_reading"
+
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+    await reserves(preemption, 1)
+    assert await stored_audits(preemption, "preempt.tick_failed") == []
+
+
+async def test_a_snapshot_dated_far_in_the_future_is_refused_and_later_ones_still_count(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p2", P2)
+    await allocations_known(preemption, 1)
+    future = snapshot(0.1, 0.1, shared_gpus=4).model_copy(
+        update={"time": utcnow() + timedelta(days=365 * 100)}
+    )
+    await send_snapshot(preemption, future)
+    [dead] = await stream_messages(preemption.js, preemption.subjects.dead_letter("preemption"), 1)
+    assert dead.headers["Gpusched-Reason"] == "rejected"
+
+    await send_snapshot(preemption, snapshot(0.95, 0.9, shared_gpus=4))
+    await reserves(preemption, 1)

@@ -49,7 +49,7 @@ async def test_fractional_tenants_count_their_gpu_once_and_are_never_victims(
             await uow.commit()
         async with rt.uow() as uow:
             assert await store.shared_allocated_gpus(uow) == 2  # GPU 0 whole, GPU 1 shared
-            victims = [c.allocation_id for c in await store.candidates(uow)]
+            victims = [c.allocation_id for c in (await store.candidates(uow)).usable]
         assert victims == ["whole"]
     finally:
         await rt.close()

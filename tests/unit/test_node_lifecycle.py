@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gpusched.admission.nodes import lost_gpu_seconds, newest_checkpoint
+from gpusched.admission.nodes import newest_checkpoint
 from gpusched.contracts.messages import CheckpointInfo, InventoryNode, NodeChange, StageName
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import (
@@ -23,6 +23,7 @@ from gpusched.domain.ledger import (
     PriorityClass,
     UnknownNode,
 )
+from gpusched.domain.lostwork import lost_gpu_seconds
 from gpusched.simcluster.cluster import ClusterView
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)

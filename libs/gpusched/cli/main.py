@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gpusched.cli import nodes, replicas
+from gpusched.cli import cancel, nodes, replicas
 from gpusched.cli.client import (
     ApiClient,
     CliError,
@@ -156,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     nodes.add_parsers(sub)
     replicas.add_parsers(sub)
+    cancel.add_parsers(sub)
 
     bill = sub.add_parser("bill", help="billing statements per team")
     bill.add_argument("--team")

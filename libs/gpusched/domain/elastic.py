@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
 
+from gpusched.domain import lostwork
 from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.domain.ledger import Allocation, PriorityClass
 
@@ -267,17 +268,15 @@ class VictimCandidate:
         )
 
     def lost_work_since(self) -> datetime:
-        # A checkpoint older than this run is where the run resumed from, so the run's
-        # start bounds the loss; a job that cannot checkpoint loses its whole run.
-        if not self.checkpointable or self.last_checkpoint_at is None:
-            return self.started_at
-        return max(self.last_checkpoint_at, self.started_at)
+        return lostwork.lost_work_since(
+            self.started_at, self.last_checkpoint_at, checkpointable=self.checkpointable
+        )
 
     def lost_work_gpu_seconds(self, now: datetime) -> float:
         return self.lost_work_at(now.timestamp())
 
     def lost_work_at(self, now_ts: float) -> float:
-        return self.gpus * max(0.0, now_ts - self.lost_since_ts)
+        return lostwork.lost_gpu_seconds_at(self.gpus, self.lost_since_ts, now_ts)
 
 
 class VictimReason(NamedTuple):

@@ -25,6 +25,8 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final, TypeAlias
 
+from gpusched.domain import lostwork
+
 MAX_EVICT_ATTEMPTS: Final = 3
 
 
@@ -472,9 +474,8 @@ _WHY_NOT: Final = {
 
 
 def lost_gpu_seconds(saga: Saga, now: datetime) -> float:
-    """GPU-seconds of training since the newest confirmed checkpoint (or allocation start)."""
-    since = saga.last_confirmed_at or saga.started_at
-    return max(0.0, saga.gpus * (now - since).total_seconds())
+    """GPU-seconds of training since the newest verified checkpoint (or allocation start)."""
+    return lostwork.lost_gpu_seconds(saga.gpus, saga.started_at, saga.last_confirmed_at, now)
 
 
 def _require_addressed_to(saga: Saga, event: SagaInput) -> None:

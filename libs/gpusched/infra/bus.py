@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import StreamSpec, Subjects
 from gpusched.infra import metrics, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
-from gpusched.infra.errors import Rejected
+from gpusched.infra.errors import Rejected, is_outage
+from gpusched.infra.outages import Outage, describe
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +47,55 @@ RequestHandler = Callable[[bytes], Awaitable[BaseModel]]
 KeyOf = Callable[[Envelope], str | None]
 # Requests one endpoint handles at once (see serve_requests).
 REQUEST_CONCURRENCY = 64
+# Bound of one JetStream publish that waits for its ack (a dead letter, its audit record).
+PUBLISH_TIMEOUT_S = 5.0
+# Bound of an ack, nak, term or in-progress: they only queue a frame for the socket.
+SETTLE_TIMEOUT_S = 2.0
+# What an endpoint answers while PostgreSQL or NATS is unreachable.
+UNAVAILABLE_MESSAGE = (
+    "a server the service depends on is unreachable right now; try again in a few seconds"
+)
 
 
 async def connect(url: str, name: str) -> NatsClient:
-    return await nats.connect(
+    """A NATS connection that reconnects forever (nats-py does it by itself) and says
+    so in one log line when it drops and one when it is back.
+
+    While it is away, publishes queue in a bounded buffer (`pending_size`) and are sent
+    on reconnect; a full buffer raises OutboundBufferLimitError, an outage."""
+    logger = logging.getLogger(f"{__name__}.connection")
+
+    async def on_error(exc: Exception) -> None:
+        # Called for every failed reconnect attempt too: those are the outage itself,
+        # already logged once by the disconnect.
+        if is_outage(exc):
+            logger.debug("%s: NATS connection error: %s", name, describe(exc))
+        else:
+            logger.warning("%s: NATS connection error: %s", name, describe(exc))
+
+    async def on_disconnected() -> None:
+        if not (nc.is_closed or nc.is_draining):  # not our own shutdown
+            logger.warning("%s: lost the NATS connection; reconnecting", name)
+
+    async def on_reconnected() -> None:
+        logger.warning("%s: reconnected to NATS", name)
+
+    nc = NatsClient()
+    await nc.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; a float works
         connect_timeout=5,
+        # A half-open connection (server host gone without a FIN) is noticed in ~30 s.
+        ping_interval=10,
+        max_outstanding_pings=3,
+        pending_size=16 * 1024 * 1024,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
     )
+    return nc
 
 
 async def ensure_streams(
@@ -107,7 +148,13 @@ class Consumer:
 
 
 class DeadLetters:
-    """Publishes unusable messages to `<p>.dlq.<service>` and an audit record."""
+    """Publishes unusable messages to `<p>.dlq.<service>` and an audit record.
+
+    Each publish waits at most `PUBLISH_TIMEOUT_S` for its ack and raises an outage if
+    NATS does not answer; the caller retries. Both publishes carry a Nats-Msg-Id made
+    from the consumer and the message's stream sequence, so a retry, or the redelivery
+    of a message whose term was lost, is stored once.
+    """
 
     def __init__(self, js: JetStreamContext, subjects: Subjects, service: str) -> None:
         self._js = js
@@ -121,7 +168,15 @@ class DeadLetters:
             "Gpusched-Reason": reason,
             "Gpusched-Error": error[:500],
         }
-        await self._js.publish(self._subjects.dead_letter(self._service), msg.data, headers=headers)
+        dedup_id = _dead_letter_id(msg, self._service, consumer)
+        if dedup_id is not None:
+            headers["Nats-Msg-Id"] = dedup_id
+        await self._js.publish(
+            self._subjects.dead_letter(self._service),
+            msg.data,
+            headers=headers,
+            timeout=PUBLISH_TIMEOUT_S,
+        )
         record = AuditRecord(
             action="message.dead_lettered",
             actor=self._service,
@@ -130,14 +185,29 @@ class DeadLetters:
             details={"consumer": consumer, "bytes": len(msg.data)},
             time=utcnow(),
         )
-        envelope = make_envelope(T.AUDIT, record, source=self._service)
+        envelope = make_envelope(
+            T.AUDIT,
+            record,
+            source=self._service,
+            envelope_id=None if dedup_id is None else str(uuid.uuid5(uuid.NAMESPACE_URL, dedup_id)),
+        )
         await self._js.publish(
             self._subjects.audit("message.dead_lettered"),
             envelope.to_bytes(),
             headers={"Nats-Msg-Id": envelope.id},
+            timeout=PUBLISH_TIMEOUT_S,
         )
         metrics.DEAD_LETTERS.labels(self._service, reason).inc()
         log.warning("dead-lettered message on %s (%s): %s", msg.subject, reason, error)
+
+
+def _dead_letter_id(msg: Msg, service: str, consumer: str) -> str | None:
+    """The same id for every delivery of one stream message to one consumer."""
+    try:
+        sequence = msg.metadata.sequence.stream
+    except Exception:
+        return None  # not a JetStream message (a test's plain publish)
+    return f"dlq-{service}-{consumer}-{sequence}"
 
 
 class ConsumerRunner:
@@ -148,6 +218,11 @@ class ConsumerRunner:
     their database round trips. Fetching continues while lanes work, as long as fewer
     than `max(fetch_batch, concurrency)` fetched messages wait: a bound that keeps every
     fetched message far inside its ack wait.
+
+    An outage (`errors.is_outage`) is not the message's fault: the message stays in
+    hand (its ack wait kept fresh with in-progress acks), fetching pauses, and the same
+    message is applied again after a backoff until it succeeds or fails for a reason of
+    its own. Only such failures spend the message's `max_deliver` budget.
     """
 
     def __init__(
@@ -183,6 +258,8 @@ class ConsumerRunner:
         if self._concurrency < 1:
             raise ValueError(f"consumer {consumer.durable}: concurrency must be at least 1")
         self._stopping = False
+        self._stopped = asyncio.Event()
+        self._outage = Outage(log, service, f"consumer {consumer.durable}")
 
     @property
     def concurrency(self) -> int:
@@ -199,40 +276,99 @@ class ConsumerRunner:
             max_deliver=self._max_deliver + 1,
             filter_subjects=list(self._c.subjects),
         )
-        sub = await self._subscribe(config)
-        lanes = _Lanes(self.process, self._concurrency)
+        sub = await self._subscribe_when_reachable(config)
+        if sub is None:
+            return  # stopped before NATS answered
+        lanes = _Lanes(self._apply, self._concurrency)
+        heartbeat = asyncio.create_task(self._keep_in_hand(lanes))
+        fetching = Outage(log, self._service, f"consumer {self._c.durable} fetch")
         capacity = max(self._batch, self._concurrency)
         try:
             while not self._stopping:
-                lanes.raise_failure()
+                if self._outage.active:
+                    # Messages in hand wait for a server: fetch no more until it is back.
+                    await _first_of(self._outage.over(), self._stopped.wait())
+                    continue
                 room = capacity - lanes.waiting
                 if room <= 0:
-                    await lanes.room()
+                    await _first_of(lanes.room(), self._stopped.wait())
                     continue
                 try:
                     msgs = await sub.fetch(min(self._batch, room), timeout=1.0)
                 except (NatsTimeout, TimeoutError):
-                    # An idle fetch: nothing to do in the last second.
+                    # An idle fetch (or NATS away: nats-py reconnects meanwhile).
                     continue
                 except asyncio.CancelledError:
                     raise
-                except Exception:
+                except Exception as exc:
                     if self._stopping:
                         break
-                    log.exception("fetch failed on %s; retrying", self._c.durable)
-                    await asyncio.sleep(0.5)
+                    if is_outage(exc):
+                        fetching.begin(exc)
+                    else:
+                        # E.g. the consumer is gone (a NATS restart without its store).
+                        log.warning(
+                            "fetch failed on %s: %s; subscribing again",
+                            self._c.durable,
+                            describe(exc),
+                        )
+                        with contextlib.suppress(Exception):
+                            sub = await self._subscribe(config)
+                    await fetching.backoff(self._stopped)
                     continue
+                fetching.end()
                 for msg in msgs:
                     key, envelope = self._partition(msg)
                     lanes.add(key, msg, envelope)
-            # Stopping: every fetched message is applied (and acked) or nak'ed by its
-            # lane before the subscription goes, so none waits out its ack wait.
+            # Stopping: every fetched message is applied (and acked) or left for
+            # redelivery by its lane before the subscription goes.
             await lanes.drain()
-            lanes.raise_failure()
         finally:
+            heartbeat.cancel()
             lanes.cancel()
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await asyncio.wait_for(sub.unsubscribe(), SETTLE_TIMEOUT_S)
+
+    async def _subscribe_when_reachable(
+        self, config: ConsumerConfig
+    ) -> JetStreamContext.PullSubscription | None:
+        waiting = Outage(log, self._service, f"consumer {self._c.durable} subscribe")
+        while not self._stopping:
+            try:
+                sub = await self._subscribe(config)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                waiting.begin(exc)
+                await waiting.backoff(self._stopped)
+                continue
+            waiting.end()
+            return sub
+        return None
+
+    async def _apply(self, msg: Msg, parsed: Envelope | None) -> None:
+        """Apply one message until it is settled; an outage keeps it in hand."""
+        while await self.process(msg, parsed) is False:
+            if self._stopping:
+                # Left unacked: redelivered after its ack wait, and the inbox makes a
+                # second application harmless.
+                return
+            await self._outage.backoff(self._stopped)
+        self._outage.end()
+
+    async def _keep_in_hand(self, lanes: _Lanes) -> None:
+        """In-progress acks for every message fetched and not yet settled, so JetStream
+        does not redeliver (and count) a message that waits out an outage in a lane."""
+        interval = max(0.5, self._ack_wait / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for msg in lanes.held():
+                # Best effort: with NATS away it fails, and the message may be
+                # redelivered later, which the inbox makes harmless.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(msg.in_progress(), SETTLE_TIMEOUT_S)
 
     def _partition(self, msg: Msg) -> tuple[str, Envelope | None]:
         """The lane of a message, and its envelope if it parses (a malformed one goes to
@@ -261,8 +397,13 @@ class ConsumerRunner:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
 
-    async def process(self, msg: Msg, parsed: Envelope | None = None) -> None:
+    async def process(self, msg: Msg, parsed: Envelope | None = None) -> bool:
+        """Apply `msg` once and settle it (ack, nak, or dead letter and term).
+
+        False when an outage stopped it: the message is still in hand, unsettled, for
+        the caller to apply again once the server is back."""
         started = time.perf_counter()
         consumer = self._c.durable
         message_type = "unknown"
@@ -276,7 +417,7 @@ class ConsumerRunner:
                 # A type this consumer does not apply (e.g. a newer producer's type).
                 outcome = "ignored"
                 await msg.ack()
-                return
+                return True
             with tracing.continued(
                 f"{self._service} apply {envelope.type}",
                 msg.headers,
@@ -298,30 +439,57 @@ class ConsumerRunner:
             await msg.ack()
         except MalformedMessage as exc:
             outcome = "dead_lettered"
-            await self._dlq.send(msg, consumer, "malformed", str(exc))
-            await msg.term()
+            return await self._dead_letter(msg, consumer, "malformed", str(exc))
         except Rejected as exc:
             outcome = "dead_lettered"
-            await self._dlq.send(msg, consumer, "rejected", str(exc))
-            await msg.term()
+            return await self._dead_letter(msg, consumer, "rejected", str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if is_outage(exc):
+                # Not this message's fault: it stays in hand and is applied again (the
+                # rolled-back attempt left nothing; an applied one is now in the inbox).
+                outcome = "outage"
+                self._outage.begin(exc)
+                return False
             attempts = msg.metadata.num_delivered if msg.metadata else 1
             if attempts >= self._max_deliver:
                 outcome = "dead_lettered"
-                log.exception("giving up on %s after %d attempts", msg.subject, attempts)
-                await self._dlq.send(msg, consumer, "failing", f"{type(exc).__name__}: {exc}")
-                await msg.term()
-            else:
-                outcome = "retried"
-                log.warning("handler failed on %s (attempt %d): %r", msg.subject, attempts, exc)
-                await msg.nak(delay=self._nak_delay * attempts)
+                log.error("giving up on %s after %d attempts", msg.subject, attempts, exc_info=exc)
+                return await self._dead_letter(
+                    msg, consumer, "failing", f"{type(exc).__name__}: {exc}"
+                )
+            outcome = "retried"
+            log.warning("handler failed on %s (attempt %d): %r", msg.subject, attempts, exc)
+            await _settle(msg.nak(delay=self._nak_delay * attempts), msg, "nak")
         finally:
             metrics.MESSAGES.labels(self._service, consumer, message_type, outcome).inc()
             metrics.HANDLER_SECONDS.labels(self._service, consumer).observe(
                 time.perf_counter() - started
             )
+        return True
+
+    async def _dead_letter(self, msg: Msg, consumer: str, reason: str, error: str) -> bool:
+        """Dead-letter and terminate `msg`; False (still in hand) if NATS is away."""
+        try:
+            await self._dlq.send(msg, consumer, reason, error)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if is_outage(exc):
+                self._outage.begin(exc)
+                return False
+            # The dead-letter stream refuses it (e.g. too large): say so loudly rather
+            # than block the consumer behind it forever.
+            log.error(
+                "could not dead-letter a message on %s (%s: %s)",
+                msg.subject,
+                reason,
+                error,
+                exc_info=exc,
+            )
+        await _settle(msg.term(), msg, "term")
+        return True
 
 
 # The lane of messages without a key (and of every message at concurrency 1).
@@ -330,9 +498,31 @@ _ONE_LANE = "-"
 _ApplyMessage = Callable[[Msg, Envelope | None], Awaitable[None]]
 
 
+async def _settle(action: Awaitable[None], msg: Msg, what: str) -> None:
+    """An ack/nak/term that cannot fail the service: if the connection dropped, the
+    message is redelivered after its ack wait and the inbox makes that harmless."""
+    try:
+        await asyncio.wait_for(action, SETTLE_TIMEOUT_S)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning("could not %s a message on %s: %s", what, msg.subject, describe(exc))
+
+
+async def _first_of(*waits: Awaitable[object]) -> None:
+    """Wait until the first of `waits` is done; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class _Lanes:
     """One FIFO lane per key, each drained by its own task; at most `concurrency`
-    messages are being applied at once."""
+    messages are being applied at once. A message that cannot be applied never stops
+    its lane or the runner: it is left for redelivery."""
 
     def __init__(self, apply: _ApplyMessage, concurrency: int) -> None:
         self._apply = apply
@@ -340,7 +530,6 @@ class _Lanes:
         self._queues: dict[str, deque[tuple[Msg, Envelope | None]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
-        self._failure: BaseException | None = None
         self.waiting = 0  # fetched messages not yet applied
 
     def add(self, key: str, msg: Msg, envelope: Envelope | None) -> None:
@@ -360,32 +549,32 @@ class _Lanes:
         try:
             while queue:
                 msg, envelope = queue[0]
-                async with self._slots:
-                    await self._apply(msg, envelope)
+                try:
+                    async with self._slots:
+                        await self._apply(msg, envelope)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # Applying settles every outcome itself; whatever still escapes
+                    # (a bug) costs this message a redelivery, never the service.
+                    log.error("could not apply a message on %s", msg.subject, exc_info=exc)
                 queue.popleft()
                 self.waiting -= 1
                 self._room.set()
-        except Exception as exc:
-            # Only the ack/nak/dead letter itself can fail here (the connection is
-            # gone): the runner stops and the service fails loudly, as one message at
-            # a time did; unacked messages are redelivered.
-            if self._failure is None:
-                self._failure = exc
-            self.waiting -= len(queue)
-            self._room.set()
         finally:
             # No await since the lane found its queue empty: a message added for this
-            # key from now on starts a new lane.
+            # key from now on starts a new lane. (Cancelled: the rest are redelivered.)
+            self.waiting -= len(queue)
             del self._queues[key]
 
     async def room(self) -> None:
-        """Wait until a lane finished a message (or failed)."""
+        """Wait until a lane finished a message."""
         self._room.clear()
         await self._room.wait()
 
-    def raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+    def held(self) -> list[Msg]:
+        """Every fetched message not yet settled."""
+        return [msg for queue in self._queues.values() for msg, _ in queue]
 
     async def drain(self) -> None:
         while self._tasks:
@@ -408,7 +597,9 @@ async def serve_requests(
     """Request/reply endpoint in a queue group (replicas share the load).
 
     The handler returns the reply model; it must turn bad input into an error reply
-    itself. An unexpected exception still gets a reply ({ok: false, internal}).
+    itself. An outage (PostgreSQL or NATS unreachable; every wait under the handler is
+    bounded) gets {ok: false, unavailable, "try again in a few seconds"}, logged once
+    per outage; any other exception still gets a reply ({ok: false, internal}).
 
     Up to ``concurrency`` requests are handled at once (nats-py would run them one at a
     time), so a handler may group concurrent requests into one transaction. Each reply
@@ -418,6 +609,7 @@ async def serve_requests(
     """
     slots = asyncio.Semaphore(concurrency)
     in_hand: set[asyncio.Task[None]] = set()
+    outage = Outage(log, service, f"endpoint {subject}")
 
     async def handle(msg: Msg) -> None:
         outcome = "ok"
@@ -426,18 +618,23 @@ async def serve_requests(
                 try:
                     reply = await handler(msg.data)
                     body = reply.model_dump_json().encode()
+                    outage.end()
                 except Exception as exc:
-                    outcome = "internal_error"
-                    log.exception("request handler failed on %s", subject)
-                    body = json.dumps(
-                        {"ok": False, "error": {"code": "internal", "message": str(exc)[:500]}}
-                    ).encode()
+                    if is_outage(exc):
+                        outcome = "unavailable"
+                        outage.begin(exc)
+                        error = {"code": "unavailable", "message": UNAVAILABLE_MESSAGE}
+                    else:
+                        outcome = "internal_error"
+                        log.exception("request handler failed on %s", subject)
+                        error = {"code": "internal", "message": str(exc)[:500]}
+                    body = json.dumps({"ok": False, "error": error}).encode()
                 if msg.reply:
-                    await msg.respond(body)
-        except Exception:
-            # Only the reply itself failed (the connection is closing): the client's
-            # request times out and it retries; nothing else depends on this task.
-            log.exception("could not answer a request on %s", subject)
+                    await asyncio.wait_for(msg.respond(body), SETTLE_TIMEOUT_S)
+        except Exception as exc:
+            # Only the reply itself failed (the connection dropped or is closing): the
+            # client's request times out and it retries; nothing else depends on this.
+            log.warning("could not answer a request on %s: %s", subject, describe(exc))
         finally:
             slots.release()
             metrics.API_REQUESTS.labels(service, subject, outcome).inc()

@@ -36,8 +36,29 @@ IDLE_PING_S = 5.0
 _IDLE_SINCE = "gpusched_idle_since"  # key in a pooled connection's info
 
 
+# Every wait on PostgreSQL is bounded, so an unreachable or hung server is an outage
+# (errors.is_outage) the caller waits out, never a hang: a new connection, a pooled
+# connection when all are in use, and one statement (generous: a migration or a big
+# batch may take a while; a statement stuck longer is a server that stopped answering).
+CONNECT_TIMEOUT_S = 5.0
+POOL_TIMEOUT_S = 10.0
+STATEMENT_TIMEOUT_S = 60.0
+
+
 def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
-    engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+    engine = create_async_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_timeout=POOL_TIMEOUT_S,
+        connect_args={
+            "timeout": CONNECT_TIMEOUT_S,
+            "command_timeout": STATEMENT_TIMEOUT_S,
+            # The server gives up too, so a statement the client abandoned does not
+            # keep its locks.
+            "server_settings": {"statement_timeout": str(int(STATEMENT_TIMEOUT_S * 1000) + 5000)},
+        },
+    )
     sa_event.listen(engine.sync_engine, "checkin", _note_idle)
     sa_event.listen(engine.sync_engine, "checkout", _ping_if_idle)
     return engine

@@ -27,6 +27,24 @@ OUTBOX_LAG = Histogram(
     ["service"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
 )
+OUTBOX_OLDEST_UNPUBLISHED = Gauge(
+    "gpusched_outbox_oldest_unpublished_seconds",
+    "Age of the oldest outbox row not yet published (0 when the outbox is empty)",
+    ["service"],
+)
+OUTBOX_UNPUBLISHED = Gauge(
+    "gpusched_outbox_unpublished_rows", "Outbox rows not yet published", ["service"]
+)
+OUTAGES = Counter(
+    "gpusched_outages_total",
+    "Times a component found PostgreSQL or NATS unreachable and began waiting it out",
+    ["service", "component"],
+)
+OUTAGE_ACTIVE = Gauge(
+    "gpusched_outage_active",
+    "1 while a component waits out an outage of PostgreSQL or NATS",
+    ["service", "component"],
+)
 API_REQUESTS = Counter(
     "gpusched_api_requests_total",
     "Request/reply calls, by subject and outcome",

@@ -6,6 +6,12 @@
 - Rows are claimed with FOR UPDATE SKIP LOCKED, so several relays (replicas) never
   publish the same row at the same time and never block each other.
 - Acks are pipelined: a whole batch is published before any ack is awaited.
+- Nothing waits unbounded: acks not back within `ACK_TIMEOUT_S` roll the batch back
+  (it is published again later, de-duplicated by Nats-Msg-Id); a lost PostgreSQL or
+  LISTEN connection is opened again, with backoff, logging one warning per outage.
+- `gpusched_outbox_oldest_unpublished_seconds` is the age of the oldest row still
+  waiting (0 when empty), refreshed every poll: it rises during any outage, unlike the
+  commit-to-publish histogram that only sees rows once they are published.
 """
 
 from __future__ import annotations
@@ -15,16 +21,26 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import TooManyStalledMsgsError
 
 from gpusched.contracts.subjects import check_token
 from gpusched.infra import metrics
 from gpusched.infra.db import asyncpg_dsn, notify_channel
+from gpusched.infra.errors import Unavailable, is_outage
+from gpusched.infra.outages import Outage
 
 log = logging.getLogger(__name__)
+
+# How long a batch waits for its publish acks before it is rolled back and retried.
+ACK_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+QUERY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -43,8 +59,12 @@ class OutboxRelay:
         service: str,
         batch: int = 1000,
         poll_interval_s: float = 0.5,
+        nats_connected: Callable[[], bool] | None = None,
     ) -> None:
         self._js = js
+        # While NATS is away, publishing would only pile copies of the batch into the
+        # client's reconnect buffer (and hold the rows' locks for the ack timeout).
+        self._nats_connected = nats_connected
         self._dsn = asyncpg_dsn(database_url)
         self._schema = check_token(schema, "schema")
         self._service = service
@@ -56,6 +76,14 @@ class OutboxRelay:
         self._listener: asyncpg.Connection | None = None
         self.published = 0
         self.batches = 0
+        self._outage = Outage(log, service, f"outbox relay {self._schema}")
+        self._stopped = asyncio.Event()
+        self._backlog_checked = 0.0  # monotonic time of the last gauge refresh
+        self._backlog_sql = (
+            f"SELECT count(*), COALESCE(extract(epoch from now() - ("
+            f"SELECT created_at FROM {self._schema}.outbox ORDER BY seq LIMIT 1)), 0)::float8 "
+            f"FROM {self._schema}.outbox"
+        )
         # Claim and delete in one statement: the rows stay locked (and deleted) only
         # inside this transaction, so a failed ack rolls them back for the next try.
         # `= ANY(ARRAY(...))`, not `IN (...)`: IN plans a hash join over a seq scan of
@@ -70,37 +98,64 @@ class OutboxRelay:
         )
 
     async def run(self) -> None:
-        """Relay until `stop()`; reconnects to PostgreSQL after errors."""
+        """Relay until `stop()`; waits out PostgreSQL and NATS outages (one warning
+        each), opening lost connections again."""
         while not self._stopping:
             try:
                 await self._connect()
                 await self._loop()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 if self._stopping:
                     break
-                log.exception("outbox relay for %s failed; retrying", self._schema)
-                await self._close()
-                await asyncio.sleep(min(self._poll, 1.0))
+                if is_outage(exc) or isinstance(exc, TooManyStalledMsgsError):
+                    self._outage.begin(exc)
+                else:
+                    log.exception("outbox relay for %s failed; retrying", self._schema)
+                await self._close_broken()
+                # A refresh while NATS is away still reaches PostgreSQL: the gauge rises.
+                with contextlib.suppress(Exception):
+                    await self._refresh_backlog(force=True)
+                await self._outage.backoff(self._stopped)
         await self._close()
 
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._wake.set()
 
     async def _connect(self) -> None:
         if self._conn is None:
-            self._conn = await asyncpg.connect(self._dsn)
+            self._conn = await self._open()
         if self._listener is None:
-            self._listener = await asyncpg.connect(self._dsn)
+            self._listener = await self._open()
             await self._listener.add_listener(notify_channel(self._schema), self._on_notify)
+            # A NOTIFY sent while there was no listener is lost: drain once now.
+            self._wake.set()
+
+    async def _open(self) -> asyncpg.Connection:
+        return await asyncpg.connect(
+            self._dsn, timeout=CONNECT_TIMEOUT_S, command_timeout=QUERY_TIMEOUT_S
+        )
+
+    async def _close_broken(self) -> None:
+        """Close the connections a failure left unusable (a PostgreSQL restart closes
+        both); a NATS outage leaves them open for the next try."""
+        for name in ("_conn", "_listener"):
+            conn: asyncpg.Connection | None = getattr(self, name)
+            if conn is not None and conn.is_closed():
+                setattr(self, name, None)
+        if self._conn is None or self._listener is None:
+            await self._close()
 
     async def _close(self) -> None:
         for conn in (self._listener, self._conn):
             if conn is not None:
                 with contextlib.suppress(Exception):
-                    await conn.close()
+                    await asyncio.wait_for(conn.close(timeout=CONNECT_TIMEOUT_S), CONNECT_TIMEOUT_S)
+                if not conn.is_closed():
+                    conn.terminate()
         self._conn = None
         self._listener = None
 
@@ -109,16 +164,35 @@ class OutboxRelay:
 
     async def _loop(self) -> None:
         while not self._stopping:
+            # A listener that died (PostgreSQL restarted) hears no NOTIFY: open it again.
+            if self._listener is None or self._listener.is_closed():
+                raise ConnectionError("the LISTEN connection was closed")
             # Clear before draining: a NOTIFY that lands during the drain sets it again.
             self._wake.clear()
             while not self._stopping and await self.drain_once() == self._batch:
                 pass
+            self._outage.end()
+            await self._refresh_backlog()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll)
+
+    async def _refresh_backlog(self, *, force: bool = False) -> None:
+        """Set the backlog gauges, at most once per poll interval (wakes on NOTIFY can
+        come thousands of times a second)."""
+        now = time.monotonic()
+        if self._conn is None or (not force and now - self._backlog_checked < self._poll):
+            return
+        self._backlog_checked = now
+        row = await self._conn.fetchrow(self._backlog_sql, timeout=QUERY_TIMEOUT_S)
+        assert row is not None
+        metrics.OUTBOX_UNPUBLISHED.labels(self._service).set(row[0])
+        metrics.OUTBOX_OLDEST_UNPUBLISHED.labels(self._service).set(max(0.0, row[1]))
 
     async def drain_once(self) -> int:
         """Claim, publish and delete one batch; returns the number of rows published."""
         assert self._conn is not None
+        if self._nats_connected is not None and not self._nats_connected():
+            raise Unavailable("NATS is not connected")
         publish = self._js.publish_async
         async with self._conn.transaction():
             rows = await self._conn.fetch(self._claim_sql, self._batch)
@@ -126,15 +200,25 @@ class OutboxRelay:
                 return 0
             # RETURNING has no order; publishing in seq order keeps each subject in order.
             rows.sort(key=lambda row: row[0])
-            futures = []
-            for _, msg_id, subject, payload, raw_headers, _ in rows:
-                # Most rows carry no trace context: skip parsing an empty object.
-                headers = json.loads(raw_headers) if raw_headers != "{}" else {}
-                headers["Nats-Msg-Id"] = msg_id
-                futures.append(await publish(subject, payload, headers=headers))
-            # Any failed ack raises here: the transaction rolls back, the rows stay, and
-            # the retry is de-duplicated by Nats-Msg-Id.
-            await asyncio.gather(*futures)
+            futures: list[asyncio.Future[PubAck]] = []
+            try:
+                for _, msg_id, subject, payload, raw_headers, _ in rows:
+                    # Most rows carry no trace context: skip parsing an empty object.
+                    headers = json.loads(raw_headers) if raw_headers != "{}" else {}
+                    headers["Nats-Msg-Id"] = msg_id
+                    futures.append(
+                        await publish(subject, payload, headers=headers, wait_stall=ACK_TIMEOUT_S)
+                    )
+                # Any failed or missing ack raises here: the transaction rolls back, the
+                # rows stay, and the retry is de-duplicated by Nats-Msg-Id.
+                await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
+            except BaseException:
+                # Acks lost with a dropped connection never come: cancelling their
+                # futures frees nats-py's pending-ack slots, which would otherwise fill
+                # up and stall every later publish.
+                for future in futures:
+                    future.cancel()
+                raise
         now = time.time()
         observe = metrics.OUTBOX_LAG.labels(self._service).observe
         for row in rows:

@@ -23,8 +23,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import bus, metrics, tracing
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
+from gpusched.infra.errors import is_outage
 from gpusched.infra.leader import LeaderLease
 from gpusched.infra.migrations import migrate
+from gpusched.infra.outages import Outage
 from gpusched.infra.outbox import OutboxRelay
 from gpusched.infra.settings import Settings
 
@@ -87,6 +89,7 @@ class ServiceRuntime:
                 service=self.name,
                 batch=self.settings.outbox.batch,
                 poll_interval_s=self.settings.outbox.poll_interval_s,
+                nats_connected=lambda: self.nc.is_connected,
             )
 
     def consume(self, consumer: bus.Consumer) -> None:
@@ -121,12 +124,26 @@ class ServiceRuntime:
     def request_stop(self) -> None:
         self._stop.set()
 
-    async def run(self) -> None:
-        """Run every registered part until `request_stop()` (or SIGTERM/SIGINT)."""
+    async def run(self, *, handle_signals: bool = False) -> None:
+        """Run every registered part until `request_stop()`.
+
+        With `handle_signals` (a service process: `run_service`), SIGTERM and SIGINT
+        stop it gracefully too. A runtime started inside another program (a test)
+        leaves the process's signals alone, so Ctrl-C and a test timeout still work."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._stop.set)
+        handled: list[signal.Signals] = []
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self._stop.set)
+                    handled.append(sig)
+        try:
+            await self._run_until_stopped()
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    async def _run_until_stopped(self) -> None:
         metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         metrics.UP.labels(self.name).set(1)
         if self._relay is not None:
@@ -147,16 +164,22 @@ class ServiceRuntime:
 
     async def _run_loop(self, spec: _Loop) -> None:
         lease = LeaderLease(self.settings.require_urls()[1], f"{self.name}.{spec.name}")
+        outage = Outage(log, self.name, f"loop {spec.name}")
         try:
             while not self._stop.is_set():
                 if not spec.singleton or await lease.try_acquire():
                     try:
                         await spec.tick()
+                        outage.end()
                     except asyncio.CancelledError:
                         raise
-                    except Exception:
+                    except Exception as exc:
                         # A failing tick is retried next interval; state is in the DB.
-                        log.exception("%s tick failed", spec.name)
+                        # An outage is one warning while it lasts, not a traceback a tick.
+                        if is_outage(exc):
+                            outage.begin(exc)
+                        else:
+                            log.exception("%s tick failed", spec.name)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), spec.interval_s)
         finally:
@@ -180,9 +203,14 @@ class ServiceRuntime:
         for task in pending:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        # Bounded: a server that is away must not keep the service from stopping.
         with contextlib.suppress(Exception):
-            await self.nc.drain()
-        await self.engine.dispose()
+            await asyncio.wait_for(self.nc.drain(), 10)
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.engine.dispose(), 10)
         metrics.UP.labels(self.name).set(0)
         log.info("%s stopped", self.name)
 
@@ -206,6 +234,6 @@ def run_service(
         # load).
         gc.collect()
         gc.freeze()
-        await runtime.run()
+        await runtime.run(handle_signals=True)
 
     asyncio.run(main())

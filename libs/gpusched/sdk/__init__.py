@@ -18,6 +18,7 @@ from gpusched.sdk.control import (
     PreemptionCancelled,
     ResumeRequest,
 )
+from gpusched.sdk.delivery import DeliveryState
 from gpusched.sdk.environment import EnvVar, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
 from gpusched.sdk.sync import JobClient
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointRequest",
     "ControlMessage",
+    "DeliveryState",
     "EnvVar",
     "JobClient",
     "JobClientError",

@@ -9,9 +9,16 @@
         await job.completed(step)
 
 Events go to `<p>.jobs.<job_id>.events` through JetStream with Nats-Msg-Id = envelope
-id, so a retried publish is stored once. Control messages come from an ordered
-consumer on `<p>.jobs.<job_id>.control` that starts at the newest message: requests
-addressed to an earlier attempt of the job are not replayed to this one.
+id, so a retried publish is stored once. They pass through a bounded in-memory buffer
+(sdk.delivery): while the control plane is unreachable they wait there and go out, in
+order, once it is back; an event method never blocks longer than `publish_wait_s` and
+never fails because NATS is away. `connection_state` says whether events are waiting.
+
+Control messages come from an ordered consumer on `<p>.jobs.<job_id>.control` that
+starts after the newest message at connect time: requests addressed to an earlier
+attempt of the job are not replayed to this one. When NATS restarts, the consumer
+(kept in the server's memory) is recreated from the last message seen, and the
+client reconnects for as long as the job runs.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import Error as JetStreamError
 from pydantic import BaseModel
 
@@ -46,6 +53,13 @@ from gpusched.sdk.control import (
     PendingCheckpoint,
     control_message,
 )
+from gpusched.sdk.delivery import (
+    DEFAULT_CAPACITY,
+    DEFAULT_WAIT_S,
+    DeliveryState,
+    EventBuffer,
+    Outgoing,
+)
 from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
 
@@ -58,7 +72,13 @@ PersistFn = Callable[[SavedCheckpoint], MaybeAwaitable[SavedCheckpoint]]
 ControlCallback = Callable[[ControlMessage], MaybeAwaitable[None]]
 CheckpointCallback = Callable[[CheckpointRequest], MaybeAwaitable[None]]
 
-_PUBLISH_ATTEMPTS = 3
+# Bounded waits on the network: the first connect, and each control-plane request.
+_CONNECT_TIMEOUT_S = 5.0
+_REQUEST_TIMEOUT_S = 5.0
+# How often the server signals an idle control consumer is alive; two missed beats and
+# the client recreates the consumer (it is lost when NATS restarts).
+_CONTROL_HEARTBEAT_S = 1.0
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
 A = TypeVar("A")
 
 
@@ -85,6 +105,9 @@ class AsyncJobClient:
         prefix: str = DEFAULT_PREFIX,
         source: str = "job",
         connection: NatsClient | None = None,
+        buffer_capacity: int = DEFAULT_CAPACITY,
+        publish_wait_s: float = DEFAULT_WAIT_S,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     ) -> None:
         self.subjects = Subjects(prefix)
         self.job_id = job_id
@@ -97,6 +120,12 @@ class AsyncJobClient:
         self._owns_connection = connection is None
         self._js: JetStreamContext | None = None
         self._sub: Subscription | None = None
+        self._events: EventBuffer | None = None
+        self._buffer_capacity = buffer_capacity
+        self._publish_wait_s = publish_wait_s
+        self._flush_timeout_s = flush_timeout_s
+        self._control_from = 0  # stream sequence of the first control message for us
+        self._closing = False
         self._inbox: asyncio.Queue[ControlMessage | _Closed] = asyncio.Queue()
         self._pending = PendingCheckpoint()
         self._on_control: list[ControlCallback] = []
@@ -127,28 +156,69 @@ class AsyncJobClient:
                 self._nc = await nats.connect(
                     self._nats_url,
                     name=f"gpusched-job-{self.job_id}",
+                    # A job outlives any control-plane outage: reconnect for ever.
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
-                    connect_timeout=5,
+                    connect_timeout=_CONNECT_TIMEOUT_S,
+                    error_cb=_quiet_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
                 )
-            self._js = self._nc.jetstream()
+            self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
+            self._events = EventBuffer(
+                self._nc,
+                self._js,
+                name=f"job {self.job_id}",
+                capacity=self._buffer_capacity,
+                wait_s=self._publish_wait_s,
+            )
+            stream = self.subjects.stream("JOBS")
+            info = await self._js.stream_info(stream)
+            # Only what is sent from now on; a message that lands between this read and
+            # the subscription is delivered, not skipped.
+            self._control_from = info.state.last_seq + 1
             self._sub = await self._js.subscribe(
                 self._control_subject,
+                stream=stream,
                 cb=self._on_message,
                 ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW,
+                idle_heartbeat=_CONTROL_HEARTBEAT_S,
+                config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=self._control_from,
+                ),
             )
-        except (NatsError, JetStreamError, OSError) as exc:
+        except (NatsError, JetStreamError, OSError, TimeoutError) as exc:
             await self.close()
             raise JobClientError(
                 f"cannot listen on {self._control_subject}: {exc!r} "
                 "(is the control plane running with this subject prefix?)"
             ) from exc
 
-    async def close(self) -> None:
+    @property
+    def connection_state(self) -> DeliveryState:
+        """Connected or not, how many events wait to be delivered, how many were dropped."""
+        if self._events is None:
+            return DeliveryState(connected=False, buffered=0, dropped=0)
+        return self._events.state
+
+    async def flush(self, timeout: float | None = None) -> int:  # noqa: ASYNC109
+        """Wait (at most `timeout` s, default `flush_timeout_s`) until every buffered
+        event is delivered; returns how many are still waiting."""
+        if self._events is None:
+            return 0
+        return await self._events.flush(self._flush_timeout_s if timeout is None else timeout)
+
+    async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Deliver what is buffered (at most `timeout` s, default `flush_timeout_s`),
+        stop listening, and close the connection if the client opened it."""
+        self._closing = True
+        events, self._events = self._events, None
+        if events is not None:
+            await events.close(self._flush_timeout_s if timeout is None else timeout)
         if self._sub is not None:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await asyncio.wait_for(self._sub.unsubscribe(), _REQUEST_TIMEOUT_S)
             self._sub = None
         for task in list(self._callback_tasks):
             task.cancel()
@@ -156,11 +226,22 @@ class AsyncJobClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._nc is not None and self._owns_connection:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
-            self._nc = None
+            nc, self._nc = self._nc, None
+            try:
+                await asyncio.wait_for(nc.drain(), _REQUEST_TIMEOUT_S)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await nc.close()
         self._js = None
         self._inbox.put_nowait(_CLOSED)
+
+    async def _on_disconnected(self) -> None:
+        if self._closing:
+            return
+        log.warning("job %s: lost the control plane; events are buffered", self.job_id)
+
+    async def _on_reconnected(self) -> None:
+        log.info("job %s: reconnected to the control plane", self.job_id)
 
     # --- job events -------------------------------------------------------------------
     async def started(self, resumed_from: str | None = None) -> None:
@@ -171,7 +252,8 @@ class AsyncJobClient:
 
     async def progress(self, step: int, **metrics: Any) -> None:
         progress = wire.JobProgress.model_validate({**metrics, "step": step})
-        await self._publish(T.JOB_PROGRESS, progress)
+        # Progress is superseded by newer progress: the first thing a full buffer drops.
+        await self._publish(T.JOB_PROGRESS, progress, droppable=True)
 
     async def checkpoint_confirmed(
         self,
@@ -324,9 +406,14 @@ class AsyncJobClient:
 
     # --- plumbing -----------------------------------------------------------------------
     async def _publish(
-        self, message_type: str, payload: BaseModel, *, causation_id: str | None = None
+        self,
+        message_type: str,
+        payload: BaseModel,
+        *,
+        causation_id: str | None = None,
+        droppable: bool = False,
     ) -> None:
-        if self._js is None:
+        if self._events is None:
             raise JobClientError("the job client is not connected (use `async with`)")
         envelope = make_envelope(
             message_type,
@@ -335,22 +422,20 @@ class AsyncJobClient:
             correlation_id=self.job_id,
             causation_id=causation_id,
         )
-        data = envelope.to_bytes()
-        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
-            try:
-                # The same envelope id on a retry lets JetStream drop a duplicate.
-                await self._js.publish(
-                    self._events_subject, data, headers={"Nats-Msg-Id": envelope.id}
-                )
-                return
-            except (NatsError, JetStreamError) as exc:
-                if attempt == _PUBLISH_ATTEMPTS:
-                    raise JobClientError(
-                        f"cannot publish {message_type} to {self._events_subject}: {exc!r}"
-                    ) from exc
-                await asyncio.sleep(0.2 * attempt)
+        # The same envelope id on every retry lets JetStream drop a duplicate.
+        await self._events.send(
+            Outgoing(
+                self._events_subject,
+                envelope.to_bytes(),
+                envelope.id,
+                message_type,
+                droppable=droppable,
+            )
+        )
 
     async def _on_message(self, msg: Msg) -> None:
+        if (seq := _stream_sequence(msg)) is not None and seq < self._control_from:
+            return  # replayed by a recreated consumer: sent before this attempt listened
         try:
             message = control_message(Envelope.from_bytes(msg.data))
         except MalformedMessage as exc:
@@ -389,3 +474,15 @@ async def _logged(result: Awaitable[None]) -> None:
         raise
     except Exception:
         log.exception("control callback failed")
+
+
+def _stream_sequence(msg: Msg) -> int | None:
+    try:
+        return msg.metadata.sequence.stream
+    except Exception:
+        return None  # not a JetStream delivery: nothing to compare
+
+
+async def _quiet_error(exc: Exception) -> None:
+    # The connection reports every failed reconnect; the buffer says it once per outage.
+    log.debug("NATS: %r", exc)

@@ -8,7 +8,9 @@
                 job.checkpoint(request, lambda: save_file_checkpoint(path, write, step=step))
         job.completed(step)
 
-A background thread owns an event loop and the AsyncJobClient; every method hands
+Events are buffered while the control plane is unreachable and sent once it is back
+(see AsyncJobClient): an event method returns within a couple of seconds whatever the
+network does. A background thread owns an event loop and the AsyncJobClient; every method hands
 its work to that loop and waits for it, so the methods may be called from any thread.
 The loop checks for requests between steps: a checkpoint is taken at a step boundary,
 never in the middle of an optimizer update. `save` and `persist` run in the caller's
@@ -27,8 +29,9 @@ from typing import Any, TypeVar
 
 from gpusched.contracts.messages import StageName
 from gpusched.sdk.checkpoints import SavedCheckpoint
-from gpusched.sdk.client import AsyncJobClient
+from gpusched.sdk.client import DEFAULT_FLUSH_TIMEOUT_S, AsyncJobClient
 from gpusched.sdk.control import CheckpointRequest, ControlMessage
+from gpusched.sdk.delivery import DEFAULT_CAPACITY, DEFAULT_WAIT_S, DeliveryState
 from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
 
@@ -46,6 +49,9 @@ class JobClient:
         source: str = "job",
         timeout_s: float = 30.0,
         environment: JobEnvironment | None = None,
+        buffer_capacity: int = DEFAULT_CAPACITY,
+        publish_wait_s: float = DEFAULT_WAIT_S,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -54,6 +60,9 @@ class JobClient:
         self._prefix = prefix
         self._source = source
         self._timeout = timeout_s
+        self._buffer_capacity = buffer_capacity
+        self._publish_wait_s = publish_wait_s
+        self._flush_timeout_s = flush_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: AsyncJobClient | None = None
@@ -117,15 +126,38 @@ class JobClient:
             raise
 
     async def _open(self) -> AsyncJobClient:
-        client = AsyncJobClient(*self._args, prefix=self._prefix, source=self._source)
+        client = AsyncJobClient(
+            *self._args,
+            prefix=self._prefix,
+            source=self._source,
+            buffer_capacity=self._buffer_capacity,
+            publish_wait_s=self._publish_wait_s,
+            flush_timeout_s=self._flush_timeout_s,
+        )
         await client.connect()
         return client
 
+    @property
+    def connection_state(self) -> DeliveryState:
+        """Connected or not, and how many events wait for the control plane (see
+        AsyncJobClient.connection_state); e.g. `str(job.connection_state)`."""
+        client = self._client
+        if client is None:
+            return DeliveryState(connected=False, buffered=0, dropped=0)
+        return client.connection_state
+
+    def flush(self, timeout: float) -> int:
+        """Wait at most `timeout` seconds for buffered events to be delivered; how many
+        are still waiting."""
+        return self._call(self._async().flush(timeout), wait_s=timeout + 1.0)
+
     def close(self) -> None:
+        """Deliver what is buffered (bounded, see AsyncJobClient.close), then stop."""
         client, self._client = self._client, None
         if client is not None and self._loop is not None:
             try:
-                self._call(client.close())
+                # Delivering the buffer, then unsubscribing and draining (bounded each).
+                self._call(client.close(), wait_s=self._flush_timeout_s + 15.0)
             finally:
                 self._stop_loop()
 
@@ -140,17 +172,18 @@ class JobClient:
         if not thread.is_alive():
             loop.close()
 
-    def _call(self, coro: Coroutine[Any, Any, R]) -> R:
+    def _call(self, coro: Coroutine[Any, Any, R], *, wait_s: float | None = None) -> R:
         loop = self._loop
         if loop is None:
             coro.close()
             raise JobClientError("the job client is not started (use `with JobClient(...)`)")
         future = asyncio.run_coroutine_threadsafe(coro, loop)
+        limit = max(self._timeout, wait_s or 0.0)
         try:
-            return future.result(self._timeout)
+            return future.result(limit)
         except FutureTimeout:
             future.cancel()
-            raise JobClientError(f"no answer from the job client in {self._timeout}s") from None
+            raise JobClientError(f"no answer from the job client in {limit}s") from None
 
     def _async(self) -> AsyncJobClient:
         if self._client is None:

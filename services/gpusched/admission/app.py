@@ -26,6 +26,8 @@ from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
 
+from . import parking
+from .cancel import CancelOps
 from .catalog import Catalog
 from .handlers import Admission, load_inventory_once
 from .keeper import LedgerKeeper
@@ -101,6 +103,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
     keeper = LedgerKeeper()
     async with rt.uow() as uow:
         await keeper.read(uow)
+        await parking.recount(uow)
     # Read at start: a quota change takes effect on restart (and is in the file's history).
     catalog = Catalog(
         keeper.inventory,
@@ -131,6 +134,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
     rt.serve(s.api_jobs_approve, handlers.approve)
     rt.serve(s.api_jobs_why, handlers.why)
     rt.serve(s.api_jobs_scale, ReplicaOps(rt.uow, keeper, scheduler.kick).scale)
+    rt.serve(s.api_jobs_cancel, CancelOps(rt.uow, keeper, scheduler.kick).cancel)
     for verb, endpoint in {
         NodeVerb.ADD: nodes.add,
         NodeVerb.RELOAD: nodes.reload,
@@ -159,7 +163,9 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
             stream=s.stream("EVENTS"),
             subjects=[s.events_of("agent"), s.events_of("checkpoint")],
             handlers={
+                T.WORKLOAD_STARTED: handlers.on_workload_started,
                 T.WORKLOAD_STOPPED: handlers.on_workload_stopped,
+                T.AGENT_READY: handlers.on_agent_ready,
                 T.EVICTION_COMPLETED: handlers.on_eviction_completed,
                 T.EVICTION_FORCED: handlers.on_eviction_forced,
                 T.EVICTION_ABORTED: handlers.on_eviction_aborted,
@@ -167,15 +173,9 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
                 T.MIG_CONFIGURED: handlers.on_mig_configured,
                 T.MIG_CONFIGURE_FAILED: handlers.on_mig_configure_failed,
                 T.NODE_HEALTH: nodes.on_node_health,
+                # Verified checkpoints only, never the jobs' raw claims (DESIGN §5).
+                T.CHECKPOINT_VERIFIED: nodes.on_checkpoint_verified,
             },
-        )
-    )
-    rt.consume(
-        bus.Consumer(
-            durable="admission-job-events",
-            stream=s.stream("JOBS"),
-            subjects=[s.all_job_events],
-            handlers={T.CHECKPOINT_CONFIRMED: nodes.on_checkpoint_confirmed},
         )
     )
     # The tick itself waits up to the schedule interval for a kick, so the loop's own

@@ -34,6 +34,8 @@ class ErrorCode(StrEnum):
     OVER_QUOTA = "over_quota"
     PRIORITY_NOT_ALLOWED = "priority_not_allowed"
     NOT_HELD = "not_held"
+    # The job is in a state the request cannot apply to (e.g. cancel a completed job).
+    CONFLICT = "conflict"
 
 
 def refuse(code: ErrorCode, message: str) -> ApiError:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
 
 from pydantic import ValidationError
 
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
+    AgentReady,
     ApproveJob,
     ApproveReply,
     CheckpointInfo,
@@ -25,11 +28,14 @@ from gpusched.contracts.messages import (
     GetJob,
     GetReply,
     GpuRef,
+    GpuRequest,
     GpusReserved,
     GpusReturned,
+    JobKind,
     JobView,
     MigConfigured,
     MigConfigureFailed,
+    PriorityClassName,
     ReservationView,
     ReserveForInference,
     ReturnToShared,
@@ -39,20 +45,21 @@ from gpusched.contracts.messages import (
     T,
     WhyJob,
     WhyReply,
+    WorkloadStarted,
     WorkloadStopped,
 )
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, Pool
 from gpusched.domain.quota import usage_of
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
-from gpusched.infra.errors import Rejected
+from gpusched.infra.errors import Rejected, is_outage
 
-from . import lending, mig, replicas, reservations, store, wire
+from . import cancel, lending, mig, parking, replicas, reservations, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
 from .explain import fair_order, find
 from .intake import Intake, Submission
 from .keeper import LedgerKeeper
-from .nodes import newest_checkpoint
+from .nodes import newest_checkpoint, requeue_lost, requeue_or_park
 from .queue import EvictionOutcome, JobState
 
 _STOPPED_STATE = {
@@ -132,7 +139,12 @@ class Admission:
         except ValidationError as exc:
             return GetReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
         async with self._uow() as uow:
-            job = await store.job(uow, request.job_id)
+            try:
+                job = await store.job(uow, request.job_id)
+            except store.UnreadableJob:
+                return GetReply(
+                    ok=True, job=_unreadable_view(await store.job_row(uow, request.job_id))
+                )
             if job is None:
                 return GetReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
@@ -192,6 +204,7 @@ class Admission:
                 replicas=None
                 if service is None
                 else replicas.view(job, [replica.allocation_id for replica in service]),
+                parked_reason=job.parked_reason if job.state is JobState.PARKED else None,
             ),
         )
 
@@ -204,6 +217,21 @@ class Admission:
         async with self._uow() as uow:
             # Under the ledger lock, so an approval and a scheduling pass never interleave.
             await self._keeper.read(uow)
+            found = await store.job_state(uow, request.job_id)
+            if found is not None and found[0] == JobState.PARKED:
+                # A retry: back to the queue; the next pass parks it again if it fails again.
+                await store.unpark_job(uow, request.job_id, utcnow())
+                await uow.audit(
+                    "job.unparked",
+                    entity=request.job_id,
+                    reason=f"{request.operator} retries the parked job"
+                    + (f": {request.reason}" if request.reason else ""),
+                    details={"operator": request.operator, "reason": request.reason},
+                )
+                await parking.recount(uow)
+                await uow.commit()
+                self._kick()
+                return ApproveReply(ok=True)
             job = await store.job(uow, request.job_id)
             if job is None:
                 return ApproveReply(
@@ -214,7 +242,7 @@ class Admission:
                     ok=False,
                     error=refuse(
                         ErrorCode.NOT_HELD,
-                        f"job {job.job_id} is {job.state}, not held for approval",
+                        f"job {job.job_id} is {job.state}, not held for approval or parked",
                     ),
                 )
             await store.set_job_state(uow, job.job_id, JobState.QUEUED, utcnow())
@@ -236,7 +264,16 @@ class Admission:
         except ValidationError as exc:
             return WhyReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
         async with self._uow() as uow:
-            job = await store.job(uow, request.job_id)
+            try:
+                job = await store.job(uow, request.job_id)
+            except store.UnreadableJob as exc:
+                row = await store.job_row(uow, request.job_id)
+                return WhyReply(
+                    ok=True,
+                    job_id=request.job_id,
+                    state=row.state,
+                    reasons=_unreadable_words(row, exc),
+                )
             if job is None:
                 return WhyReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
@@ -259,7 +296,18 @@ class Admission:
         # As the scheduler sees it: nodes reserved for a gang tried before this job.
         blockers = [reserved[other.job_id] for other in ahead if other.job_id in reserved]
         held = frozenset(node for r in blockers for node in r.nodes)
-        attempt = find(ledger, self._catalog, job, usage, held=held, now=utcnow())
+        try:
+            attempt = find(ledger, self._catalog, job, usage, held=held, now=utcnow())
+        except Exception as exc:
+            if is_outage(exc):
+                raise
+            # What the pass would fail on too: it parks the job, so say that, never "fits".
+            return WhyReply(
+                ok=True,
+                job_id=job.job_id,
+                state=job.state,
+                reasons=[f"{parking.reason_for(exc)}; the next scheduling pass parks it"],
+            )
         reasons = list(attempt.reasons)
         if job.job_id in reserved:
             reasons.insert(0, reservations.describe(reserved[job.job_id], utcnow()))
@@ -270,7 +318,13 @@ class Admission:
                 replicas.waiting_words(job, ledger),
                 *replicas.backoff_words(job, utcnow()),
             ]
-        if attempt.placement is not None:
+        if attempt.placement is not None and attempt.placement.layout is not None:
+            reasons.append(
+                f"mig: GPU {attempt.placement.gpus[0]} is empty and may be given MIG layout "
+                f"{'+'.join(attempt.placement.layout)}; the next scheduling pass changes it "
+                "and places the job once the cluster agent reports the layout applied"
+            )
+        elif attempt.placement is not None:
             reasons.append(
                 "it fits now: the next scheduling pass places it"
                 if job.spec.replicas is None
@@ -300,7 +354,13 @@ class Admission:
             usage = usage_of(ledger.allocations.values())
             attempt = find(ledger, self._catalog, job, usage, now=now)
             reasons.extend(attempt.reasons)
-            if attempt.placement is not None:
+            if attempt.placement is not None and attempt.placement.layout is not None:
+                reasons.append(
+                    f"mig: one more replica needs GPU {attempt.placement.gpus[0]} given MIG "
+                    f"layout {'+'.join(attempt.placement.layout)} first; it is placed once the "
+                    "cluster agent reports the layout applied"
+                )
+            elif attempt.placement is not None:
                 reasons.append("one more replica fits now: the next scheduling pass places it")
         return WhyReply(ok=True, job_id=job.job_id, state=job.state, reasons=reasons)
 
@@ -488,9 +548,56 @@ class Admission:
         await self._keeper.save(uow, [ref])
         self._kick()  # the jobs that waited for those slices
 
+    async def on_workload_started(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """Record that the agent runs the allocation's workload: after an agent restart,
+        only a started one it no longer lists was interrupted (see on_agent_ready)."""
+        started = envelope.payload(WorkloadStarted)
+        await store.record_started(uow, started.allocation_id, started.started_at)
+
+    async def on_agent_ready(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """The cluster agent (re)started: every live allocation on its nodes that it had
+        reported started and does not list now lost its workload (a killed agent's
+        workloads die with it) and is handled like an interrupted one. An allocation
+        whose start command the agent has not consumed yet is not touched: the command is
+        still durable in the COMMANDS stream and the agent starts it."""
+        ready = envelope.payload(AgentReady)
+        ledger = await self._keeper.hold(uow)
+        running = set(ready.running)
+        lost = [
+            (allocation_id, job_id)
+            for allocation_id, job_id in await store.started_on(uow, ready.nodes)
+            if allocation_id not in running
+        ]
+        for allocation_id, job_id in lost:
+            stopped = WorkloadStopped(
+                allocation_id=allocation_id,
+                job_id=job_id,
+                reason=StopReason.INTERRUPTED,
+                stopped_at=min(ready.time, utcnow()),
+            )
+            await self._stopped(uow, envelope, ledger, stopped)
+        await uow.audit(
+            "agent.ready",
+            entity=ready.agent_id,
+            reason=f"the cluster agent (re)started on {len(ready.nodes)} node(s) running "
+            f"{len(running)} workload(s)"
+            + (f"; {len(lost)} started workload(s) it lost are interrupted" if lost else ""),
+            details={
+                "nodes": ready.nodes,
+                "running": sorted(running),
+                "interrupted": [allocation_id for allocation_id, _ in lost],
+            },
+            causation_id=envelope.id,
+        )
+
     async def on_workload_stopped(self, envelope: Envelope, uow: UnitOfWork) -> None:
         stopped = envelope.payload(WorkloadStopped)
         ledger = await self._keeper.hold(uow)
+        await self._stopped(uow, envelope, ledger, stopped)
+
+    async def _stopped(
+        self, uow: UnitOfWork, envelope: Envelope, ledger: d.Ledger, stopped: WorkloadStopped
+    ) -> None:
         held = await self._allocation_of(uow, stopped.allocation_id, stopped.job_id)
         if not held.live:
             await uow.audit(
@@ -529,8 +636,35 @@ class Admission:
             },
             causation_id=envelope.id,
         )
-        await self._settle_stopped_job(uow, envelope, stopped, held, now)
+        # The allocation is released whatever happens next: the workload did stop. What
+        # that means for the job is settled in a savepoint; if that fails for a reason
+        # of the job's own, the job is parked (an agent restart settles many in a row).
+        await requeue_or_park(
+            uow, stopped.job_id, now, lambda: self._settle(uow, envelope, stopped, held, now)
+        )
         self._kick()
+
+    async def _settle(
+        self,
+        uow: UnitOfWork,
+        envelope: Envelope,
+        stopped: WorkloadStopped,
+        held: store.AllocationRecord,
+        now: datetime,
+    ) -> float:
+        if await cancel.settle_cancelled(
+            uow, stopped.job_id, stopped.allocation_id, now, envelope.id
+        ):
+            return 0.0
+        if stopped.reason is StopReason.INTERRUPTED:
+            # Not the job's fault: like a node failure, for this one allocation.
+            node = held.allocation.gpus[0].node if held.allocation.gpus else "?"
+            return await requeue_lost(
+                uow, held.allocation, node, now, envelope.id,
+                cause=f"its workload on node {node} was interrupted (the cluster agent stopped)",
+            )  # fmt: skip
+        await self._settle_stopped_job(uow, envelope, stopped, held, now)
+        return 0.0
 
     async def _settle_stopped_job(
         self,
@@ -752,6 +886,14 @@ def _not_waiting(job: store.JobRecord) -> list[str]:
         return [f"not waiting: running as allocation {job.allocation_id}"]
     if job.state is JobState.PREEMPTED:
         return ["evicted: requeued once its eviction saga reports the checkpoint to resume from"]
+    if job.state is JobState.PARKED:
+        return [
+            f"parked: {job.parked_reason or 'the scheduler set it aside'}",
+            f"it is not placed: an operator retries it with `gpusched approve {job.job_id}` "
+            f"or removes it with `gpusched cancel {job.job_id}`",
+        ]
+    if job.state is JobState.CANCELLING:
+        return [f"{job.cancel_reason or 'cancelled'}; its workloads are being stopped"]
     return [f"not waiting: the job is {job.state}"]
 
 
@@ -765,3 +907,53 @@ def _describe(exc: ValidationError) -> str:
     where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where}: {first.get('msg', 'invalid')}{more}"
+
+
+def _unreadable_view(row: Any) -> JobView:
+    """What can be shown of a job whose stored spec does not parse: its columns, and
+    the spec's GPU request if that part still parses."""
+    spec = row.spec if isinstance(row.spec, dict) else {}
+    try:
+        gpus = GpuRequest.model_validate(spec.get("gpus"))
+    except ValidationError:
+        gpus = GpuRequest.model_construct(count=0)
+    return JobView.model_construct(
+        job_id=row.job_id,
+        name=row.name,
+        team=row.team,
+        kind=_member(JobKind, row.kind),
+        priority_class=_member(PriorityClassName, row.priority_class),
+        state=row.state,
+        attempt=row.attempt,
+        gpus=gpus,
+        allocation_id=row.allocation_id,
+        allocated=[],
+        resume_from=None,
+        latest_checkpoint=None,
+        submitted_at=row.submitted_at,
+        warnings=[
+            "the stored job spec cannot be read; only its columns are shown",
+            *(str(w) for w in row.warnings or ()),
+        ],
+        share=None,
+        reservation=None,
+        replicas=None,
+        parked_reason=row.parked_reason,
+    )
+
+
+def _member(enum: type[StrEnum], value: str) -> Any:
+    """The enum member named by a stored column, or the text itself if it names none."""
+    try:
+        return enum(value)
+    except ValueError:
+        return value
+
+
+def _unreadable_words(row: Any, exc: store.UnreadableJob) -> list[str]:
+    if row.state == JobState.PARKED:
+        return [
+            f"parked: {row.parked_reason or exc}",
+            f"it is not placed: remove it with `gpusched cancel {row.job_id}`",
+        ]
+    return [f"{exc}; the next scheduling pass parks it"]

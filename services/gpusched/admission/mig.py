@@ -29,8 +29,10 @@ from gpusched.domain.sharing import (
     target_layout,
 )
 from gpusched.infra.db import Outgoing, UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.errors import is_outage
 
 from .keeper import LedgerKeeper
+from .parking import SKIPPED
 
 log = logging.getLogger(__name__)
 
@@ -198,25 +200,38 @@ class MigModes:
         await self.reconcile()
 
     async def reconcile(self) -> int:
-        """One reconciliation; returns how many layouts changed."""
+        """One reconciliation; returns how many layouts changed. Each GPU is changed in
+        a transaction of its own: one that fails is skipped (audited, counted) and the
+        others still change."""
         now = utcnow()
         mode = self._schedule.mode_at(now)
         async with self._uow() as uow:
-            if not due_changes(await self._keeper.read(uow), mode, now, self._interval):
-                return 0
+            due = due_changes(await self._keeper.read(uow), mode, now, self._interval)
+        changed = 0
+        for ref, layout in due:
+            try:
+                changed += await self._change(ref, layout, mode, now)
+            except Exception as exc:
+                if is_outage(exc):
+                    raise
+                await skipped(self._uow, "mig_modes", ref, f"{mode} mode layout change", exc)
+        if changed:
+            log.info("%s mode: changed the MIG layout of %d GPU(s)", mode, changed)
+            self._kick()  # new slices (or whole GPUs) may place waiting jobs
+        return changed
+
+    async def _change(
+        self, ref: GpuRef, layout: tuple[str, ...], mode: MigMode, now: datetime
+    ) -> int:
+        async with self._uow() as uow:
             ledger = await self._keeper.hold(uow)
-            outgoing: list[Outgoing] = []
-            changed: list[GpuRef] = []
-            for ref, layout in due_changes(ledger, mode, now, self._interval):
-                event = ledger.change_layout(ref, layout, now, self._interval)
-                outgoing += layout_outgoing(uow, event, f"{mode} mode", self._interval)
-                changed.append(ref)
-            await self._keeper.save(uow, changed)
-            await uow.emit_many(outgoing)
+            if (ref, layout) not in due_changes(ledger, mode, now, self._interval):
+                return 0  # another replica changed it meanwhile
+            event = ledger.change_layout(ref, layout, now, self._interval)
+            await self._keeper.save(uow, [ref])
+            await uow.emit_many(layout_outgoing(uow, event, f"{mode} mode", self._interval))
             await uow.commit()
-        log.info("%s mode: changed the MIG layout of %d GPU(s)", mode, len(changed))
-        self._kick()  # new slices (or whole GPUs) may place waiting jobs
-        return len(changed)
+        return 1
 
 
 class MigDeadlines:
@@ -239,21 +254,52 @@ class MigDeadlines:
         await self.expire()
 
     async def expire(self) -> int:
-        """Fail the overdue changes; returns how many."""
+        """Fail the overdue changes; returns how many. Each GPU in a transaction of its
+        own: one that fails is skipped (audited, counted), the others still expire."""
         now = utcnow()
         async with self._uow() as uow:
-            if not overdue(await self._keeper.read(uow), now, self._timeout):
-                return 0
+            refs = overdue(await self._keeper.read(uow), now, self._timeout)
+        error = f"no report from the cluster agent within {self._timeout.total_seconds():g} s"
+        failed = 0
+        for ref in refs:
+            try:
+                failed += await self._expire_one(ref, now, error)
+            except Exception as exc:
+                if is_outage(exc):
+                    raise
+                await skipped(self._uow, "mig_deadlines", ref, "expiring its layout change", exc)
+        if failed:
+            log.warning("failed %d MIG layout change(s) without a report in time", failed)
+            self._kick()  # the jobs that waited for those slices
+        return failed
+
+    async def _expire_one(self, ref: GpuRef, now: datetime, error: str) -> int:
+        async with self._uow() as uow:
             ledger = await self._keeper.hold(uow)
-            refs = overdue(ledger, now, self._timeout)
-            error = f"no report from the cluster agent within {self._timeout.total_seconds():g} s"
-            for ref in refs:
-                await fail_change(uow, ledger, ref, FailCause.TIMEOUT, error)
-            await self._keeper.save(uow, refs)
+            if ref not in overdue(ledger, now, self._timeout):
+                return 0  # reported meanwhile
+            await fail_change(uow, ledger, ref, FailCause.TIMEOUT, error)
+            await self._keeper.save(uow, [ref])
             await uow.commit()
-        log.warning("failed %d MIG layout change(s) without a report in time", len(refs))
-        self._kick()  # the jobs that waited for those slices
-        return len(refs)
+        return 1
+
+
+async def skipped(
+    uow_factory: UnitOfWorkFactory, loop: str, ref: GpuRef, what: str, exc: Exception
+) -> None:
+    """A loop failed on one GPU: its transaction is rolled back (the next holder of the
+    ledger reloads it), the failure audited and counted, and the loop goes on."""
+    log.exception("%s: %s of GPU %s failed; skipped", loop, what, ref)
+    SKIPPED.labels(loop).inc()
+    async with uow_factory() as uow:
+        await uow.audit(
+            "mig.change_skipped",
+            entity=str(ref),
+            reason=f"{what} failed and was skipped: {type(exc).__name__}: "
+            + " ".join(str(exc).split())[:500],
+            details={"loop": loop},
+        )
+        await uow.commit()
 
 
 def share_words(share: GpuShare | None) -> str:

@@ -9,10 +9,12 @@ cluster agent reports node health as an event, which takes the same failure path
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from functools import partial
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -21,8 +23,8 @@ from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
     AddNode,
     ApiError,
-    CheckpointConfirmed,
     CheckpointInfo,
+    CheckpointVerified,
     InventoryChanged,
     ListNodes,
     NodeChange,
@@ -38,12 +40,16 @@ from gpusched.contracts.messages import (
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
 from gpusched.domain.ledger import Ledger, NodeCondition
+from gpusched.domain.lostwork import lost_gpu_seconds
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.errors import is_outage
 
-from . import replicas, store, wire
+from . import parking, replicas, store, wire
 from .catalog import Catalog, ErrorCode
 from .keeper import LedgerKeeper
 from .queue import JobState
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -89,15 +95,6 @@ class FailureOutcome:
     ended: tuple[str, ...]  # allocation ids
     lost_gpu_seconds: float
     unreserved: int
-
-
-def lost_gpu_seconds(
-    gpus: int, granted_at: datetime, checkpoint_at: datetime | None, failed_at: datetime
-) -> float:
-    """Work a failure destroys: GPUs x time since the later of the grant and the last
-    confirmed checkpoint (a checkpoint from an earlier attempt saves nothing of this one)."""
-    since = granted_at if checkpoint_at is None else max(granted_at, checkpoint_at)
-    return gpus * max((failed_at - since).total_seconds(), 0.0)
 
 
 def newest_checkpoint(*checkpoints: CheckpointInfo | None) -> CheckpointInfo | None:
@@ -236,21 +233,14 @@ class NodeOps:
             return
         self._kick()
 
-    async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
-        """Remember each job's newest confirmed checkpoint: a node failure requeues the
-        job from it. Job events carry the job id as their correlation id."""
-        confirmed = envelope.payload(CheckpointConfirmed)
-        if envelope.correlation_id is None:
-            return
-        checkpoint = CheckpointInfo(
-            checkpoint_id=confirmed.checkpoint_id,
-            step=confirmed.step,
-            uri=confirmed.uri,
-            bytes=confirmed.bytes,
-            sha256=confirmed.sha256,
-            stage=confirmed.stage,
+    async def on_checkpoint_verified(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        """Remember each job's newest verified checkpoint: a node failure requeues the
+        job from it, and `jobs.get` shows it. Only the checkpoint service's verified
+        checkpoints count; a job's raw claim may name a file that does not hold it."""
+        verified = envelope.payload(CheckpointVerified)
+        await store.record_checkpoint(
+            uow, verified.job_id, verified.checkpoint, verified.confirmed_at
         )
-        await store.record_checkpoint(uow, envelope.correlation_id, checkpoint, envelope.time)
 
     # --- the changes ----------------------------------------------------------------------
 
@@ -315,7 +305,10 @@ class NodeOps:
                 correlation_id=allocation.job_id,
                 causation_id=causation_id,
             )
-            lost_total += await self._requeue(uow, allocation, node, now, causation_id)
+            lost_total += await requeue_or_park(
+                uow, allocation.job_id, now,
+                partial(self._requeue, uow, allocation, node, now, causation_id),
+            )  # fmt: skip
             ended.append(allocation.allocation_id)
         lent = [ref for ref in ledger.node_gpus(node) if ledger.gpu(ref).reserved_for is not None]
         if lent:
@@ -330,50 +323,7 @@ class NodeOps:
         now: datetime,
         causation_id: str | None,
     ) -> float:
-        job = await store.job(uow, allocation.job_id)
-        if job is not None and job.spec.replicas is not None:
-            await replicas.after_loss(uow, job, allocation.allocation_id, node, now, causation_id)
-            return 0.0
-        if job is None or job.allocation_id != allocation.allocation_id:
-            return 0.0  # an older attempt's allocation; the job has moved on
-        lost = 0.0
-        details: dict[str, Any] = {"allocation_id": allocation.allocation_id, "node": node}
-        if job.kind is d.JobKind.TRAINING:
-            resume_from = newest_checkpoint(job.resume_from, job.latest_checkpoint)
-            if resume_from is not None and resume_from != job.resume_from:
-                await store.set_resume_from(uow, job.job_id, resume_from, now)
-            checkpoint_at = (
-                job.latest_checkpoint_at
-                if resume_from is not None and resume_from == job.latest_checkpoint
-                else None
-            )
-            lost = lost_gpu_seconds(len(allocation.gpus), allocation.granted_at, checkpoint_at, now)
-            await store.record_lost_work(uow, allocation.allocation_id, lost)
-            resumes = "the start (no checkpoint)"
-            if resume_from is not None:
-                resumes = f"checkpoint {resume_from.checkpoint_id} (step {resume_from.step})"
-            details |= {
-                "resume_from": None if resume_from is None else resume_from.checkpoint_id,
-                "lost_gpu_seconds": round(lost, 3),
-                "gpus": len(allocation.gpus),
-            }
-            await uow.audit(
-                "work.lost",
-                entity=job.job_id,
-                reason=f"node {node} failed: {lost:.0f} GPU-seconds since the last confirmed "
-                "checkpoint are lost",
-                details=details,
-                causation_id=causation_id,
-            )
-            reason = f"node {node} failed; requeued to resume from {resumes}"
-        else:
-            reason = f"node {node} failed; requeued to be placed again"
-        await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
-        await uow.audit(
-            "job.requeued", entity=job.job_id, reason=reason, details=details,
-            causation_id=causation_id,
-        )  # fmt: skip
-        return lost
+        return await requeue_lost(uow, allocation, node, now, causation_id)
 
     async def _add_all(
         self, uow: UnitOfWork, ledger: Ledger, specs: Sequence[NodeSpec],
@@ -498,3 +448,81 @@ def _parse(model: type[M], raw: bytes) -> M | NodeReply:
 
 def _refused(code: StrEnum, message: str) -> NodeReply:
     return NodeReply(ok=False, error=ApiError(code=code, message=message))
+
+
+async def requeue_lost(
+    uow: UnitOfWork,
+    allocation: d.Allocation,
+    node: str,
+    now: datetime,
+    causation_id: str | None,
+    cause: str | None = None,
+) -> float:
+    """The allocation (released already) ended with its node, or its workload was
+    interrupted (``cause``): a training job is requeued from its newest checkpoint (the
+    work since is lost), an inference replica is placed again. The GPU-seconds lost."""
+    cause = cause or f"node {node} failed"
+    job = await store.job(uow, allocation.job_id)
+    if job is not None and job.spec.replicas is not None:
+        await replicas.after_loss(
+            uow, job, allocation.allocation_id, node, now, causation_id, cause=cause
+        )
+        return 0.0
+    if job is None or job.allocation_id != allocation.allocation_id:
+        return 0.0  # an older attempt's allocation; the job has moved on
+    lost = 0.0
+    details: dict[str, Any] = {"allocation_id": allocation.allocation_id, "node": node}
+    if job.kind is d.JobKind.TRAINING:
+        resume_from = newest_checkpoint(job.resume_from, job.latest_checkpoint)
+        if resume_from is not None and resume_from != job.resume_from:
+            await store.set_resume_from(uow, job.job_id, resume_from, now)
+        checkpoint_at = (
+            job.latest_checkpoint_at
+            if resume_from is not None and resume_from == job.latest_checkpoint
+            else None
+        )
+        lost = lost_gpu_seconds(len(allocation.gpus), allocation.granted_at, checkpoint_at, now)
+        await store.record_lost_work(uow, allocation.allocation_id, lost)
+        resumes = "the start (no checkpoint)"
+        if resume_from is not None:
+            resumes = f"checkpoint {resume_from.checkpoint_id} (step {resume_from.step})"
+        details |= {
+            "resume_from": None if resume_from is None else resume_from.checkpoint_id,
+            "lost_gpu_seconds": round(lost, 3),
+            "gpus": len(allocation.gpus),
+        }
+        await uow.audit(
+            "work.lost",
+            entity=job.job_id,
+            reason=f"{cause}: {lost:.0f} GPU-seconds since the last confirmed checkpoint are lost",
+            details=details,
+            causation_id=causation_id,
+        )
+        reason = f"{cause}; requeued to resume from {resumes}"
+    else:
+        reason = f"{cause}; requeued to be placed again"
+    await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
+    await uow.audit(
+        "job.requeued", entity=job.job_id, reason=reason, details=details,
+        causation_id=causation_id,
+    )  # fmt: skip
+    return lost
+
+
+async def requeue_or_park(
+    uow: UnitOfWork, job_id: str, now: datetime, settle: Callable[[], Awaitable[float]]
+) -> float:
+    """Run ``settle`` for one ended allocation of ``job_id`` in a savepoint: if it fails
+    for a reason of the job's own (its row does not parse, a bug on its path; never an
+    outage) its writes are undone, the job is parked, and the caller's loop goes on
+    with the next allocation. The allocation itself stays released: it did end."""
+    try:
+        async with uow.conn.begin_nested():
+            return await settle()
+    except Exception as exc:
+        if is_outage(exc):
+            raise
+        log.exception("settling an ended allocation of job %s failed", job_id)
+        reason = parking.reason_for(exc, "settling its ended workload")
+        await parking.park(uow, job_id, reason, parking.Where.SETTLE, now)
+        return 0.0

@@ -17,6 +17,17 @@ class JobState(StrEnum):
     PREEMPTED = "preempted"
     COMPLETED = "completed"
     FAILED = "failed"
+    # Set aside by the scheduler for a reason of its own (an unreadable row, a placement
+    # that raised): not placed until an operator approves it again or cancels it.
+    PARKED = "parked"
+    # An operator cancelled it while it ran: its workloads are being stopped.
+    CANCELLING = "cancelling"
+    # Ended by an operator (`gpusched cancel`).
+    CANCELLED = "cancelled"
+
+
+# A job in one of these states is over: it cannot be cancelled or retried.
+FINISHED = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 
 
 # Inference first: it is never made to wait behind training (DESIGN §7).

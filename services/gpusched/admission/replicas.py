@@ -231,9 +231,10 @@ async def after_loss(
     node: str,
     now: datetime,
     causation_id: str | None,
+    cause: str | None = None,
 ) -> None:
-    """A replica ended with its node: the pass places it again elsewhere (all of the
-    missing ones up to min together, as at the start)."""
+    """A replica ended with its node (or was interrupted: ``cause``): the pass places it
+    again (all of the missing ones up to min together, as at the start)."""
     live = await _stored_live(uow, job.job_id)
     replicas = job.spec.replicas
     assert replicas is not None
@@ -242,7 +243,8 @@ async def after_loss(
     await uow.audit(
         ReplicaAction.LOST,
         entity=job.job_id,
-        reason=f"node {node} failed: replica {allocation_id} ended; it is placed again "
+        reason=f"{cause or f'node {node} failed'}: replica {allocation_id} ended; it is "
+        "placed again "
         f"({len(live)} of target {job.replicas_wanted} live)",
         details={"allocation_id": allocation_id, "node": node, "live": len(live)},
         causation_id=causation_id,

@@ -20,14 +20,14 @@ from gpusched.contracts.messages import T
 from gpusched.domain.ledger import (
     AllocationGranted,
     Ledger,
-    LedgerError,
     Placement,
     default_pools,
 )
 from gpusched.domain.quota import usage_of
 from gpusched.infra.db import Outgoing, UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.errors import is_outage
 
-from . import mig, replicas, store, wire
+from . import mig, parking, replicas, store, wire
 from .catalog import WHOLE_GPU_MILLI, Catalog
 from .explain import Attempt, fair_order, find, reservation_target
 from .keeper import LedgerKeeper
@@ -36,6 +36,12 @@ from .reservations import Reservation, ReservationEnd, ended_reason, lapsed, tak
 from .store import JobRecord
 
 log = logging.getLogger(__name__)
+
+# A pass parks at most this many jobs before it gives up for this tick (each park
+# removes one job from the queue, so this only bounds one tick's work).
+_MOST_PARKED_PER_PASS = 50
+# How long a running service whose top-up failed gets no new replica.
+_TOPUP_PAUSE = timedelta(minutes=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,9 @@ class Scheduler:
         # The ledger version after a pass that placed nothing: until the ledger or the
         # queue changes, another pass would place nothing either.
         self._fruitless_at: int | None = None
+        # The job the pass works on now, and where (None: a running service's top-up):
+        # the one to set aside if the pass fails.
+        self._current: tuple[JobRecord, parking.Where | None] | None = None
 
     def kick(self) -> None:
         """Ask for a pass now (capacity freed or a job queued) instead of at the next tick."""
@@ -116,7 +125,63 @@ class Scheduler:
         await self.run_pass(forced=forced)
 
     async def run_pass(self, *, forced: bool = True) -> int:
-        """Place what fits now; returns how many jobs were placed."""
+        """Place what fits now; returns how many jobs were placed.
+
+        A job the pass fails on for a reason of its own (see parking.py) is parked and
+        the pass runs again without it: the failed pass is rolled back whole, so the
+        held ledger never keeps half of what it did (the next holder reloads it), and
+        the job is parked in a transaction of its own. An outage is raised as it is.
+        """
+        for _ in range(_MOST_PARKED_PER_PASS):
+            self._current = None
+            try:
+                return await self._pass(forced=forced)
+            except Exception as exc:
+                culprit = self._culprit(exc)
+                if culprit is None:
+                    raise
+                job_id, where = culprit
+                log.exception("the scheduling pass failed on job %s", job_id)
+                await self._set_aside(job_id, where, exc)
+                forced = True
+        return await self._pass(forced=True)
+
+    def _culprit(self, exc: Exception) -> tuple[str, parking.Where | None] | None:
+        """The job a failed pass failed on and where (None where: a running service's
+        top-up), or None when the failure is not one job's (an outage, a bulk write)."""
+        if is_outage(exc):
+            return None
+        if isinstance(exc, store.UnreadableJob):
+            return exc.job_id, parking.Where.UNREADABLE
+        if self._current is None:
+            return None
+        job, where = self._current
+        return job.job_id, where
+
+    async def _set_aside(self, job_id: str, where: parking.Where | None, exc: Exception) -> None:
+        reason = parking.reason_for(exc)
+        now = utcnow()
+        async with self._uow() as uow:
+            # The ledger lock, so no other pass or handler interleaves; read, not held:
+            # parking changes no GPU.
+            await self._keeper.read(uow)
+            if where is None:
+                # A running service's top-up: its replicas keep running; no more are
+                # placed for a while, as after a crash-looping replica.
+                await store.pause_replicas(uow, job_id, now + _TOPUP_PAUSE, now)
+                await uow.audit(
+                    "replica.topup_failed",
+                    entity=job_id,
+                    reason=f"{reason}; no replica is placed for it before "
+                    f"{(now + _TOPUP_PAUSE).isoformat()}",
+                    details={"retry_at": (now + _TOPUP_PAUSE).isoformat()},
+                )
+                parking.SKIPPED.labels("service_topup").inc()
+            else:
+                await parking.park(uow, job_id, reason, where, now)
+            await uow.commit()
+
+    async def _pass(self, *, forced: bool) -> int:
         async with self._uow() as uow:
             if not forced:
                 probe = await store.queue_probe(uow)
@@ -146,6 +211,10 @@ class Scheduler:
             # Priority class first, then DRF across teams, then FIFO.
             for job in fair_order(queued, ledger, usage):
                 waited = now - job.submitted_at
+                where = parking.Where.PLACEMENT
+                if job.spec.replicas is not None:
+                    where = parking.Where.REPLICAS
+                self._current = (job, where)
                 if job.spec.replicas is not None:
                     if self._backing_off(job, now):
                         continue
@@ -189,13 +258,17 @@ class Scheduler:
             for service in await store.running_services(uow):
                 if self._backing_off(service, now):
                     continue
+                self._current = (service, None)
                 batch, _ = await self._replicas(uow, ledger, service, usage, now, held)
                 started.extend(batch)
                 placed += bool(batch)
+            self._current = None
             await self._end_reservations(uow, ended)
             await self._write_started(uow, started, now)
             for job, attempt in newly_waiting:
+                self._current = (job, parking.Where.PLACEMENT)
                 await self._audit_wait(uow, ledger, job, attempt)
+            self._current = None
             await store.mark_waiting(uow, [job.job_id for job, _ in newly_waiting], now)
             await uow.commit()
         self._fruitless_at = None if placed else self._keeper.version
@@ -251,11 +324,13 @@ class Scheduler:
             if job is None:
                 # Not queued any more: read it for the words of the audit record.
                 job = await store.job(uow, reservation.job_id)
+            self._current = None if job is None else (job, parking.Where.PLACEMENT)
             end = lapsed(reservation, job, now, self._starve_after)
             if end is None:
                 holding[reservation.job_id] = reservation
             else:
                 ended.append((reservation, end, job))
+        self._current = None
         return holding, ended
 
     def _reservation_for(
@@ -338,13 +413,8 @@ class Scheduler:
         held: frozenset[str] = frozenset(),
         count: int | None = None,
     ) -> Attempt:
-        try:
-            return find(ledger, self._catalog, job, usage, count=count, held=held, now=utcnow())
-        except LedgerError as exc:
-            # One job the ledger refuses must not stop the queue behind it; it stays
-            # queued, and its wait is audited.
-            log.exception("job %s cannot be placed", job.job_id)
-            return Attempt(None, reasons=(f"refused by the ledger: {exc}",))
+        # A job the ledger refuses with an error raises here: the pass parks it.
+        return find(ledger, self._catalog, job, usage, count=count, held=held, now=utcnow())
 
     def _grant(
         self,
@@ -442,10 +512,17 @@ class Scheduler:
         attempt_number = service.attempt + 1 if queued else max(service.attempt, 1)
         last = Attempt(None)
 
+        relayout: Placement | None = None
+
         def place_one() -> _Started | None:
-            nonlocal number, last
+            nonlocal number, last, relayout
             last = self._find(ledger, service, usage, held=held)
             if last.placement is None:
+                return None
+            if last.placement.layout is not None:
+                # A slice that needs a new MIG layout first: the layout is changed below,
+                # and more replicas are placed once the agent reports it applied.
+                relayout = last.placement
                 return None
             number += 1
             one = self._grant(
@@ -481,6 +558,10 @@ class Scheduler:
                     "was placed (min replicas are placed all or nothing)",
                 ),
             )
+        if relayout is not None:
+            waiting = await self._relayout(uow, ledger, service, relayout, now)
+            if not placed:
+                last = Attempt(None, reasons=(*last.reasons, *waiting.reasons))
         if placed:
             await store.set_replica_seq(uow, service.job_id, number)
         return placed, last

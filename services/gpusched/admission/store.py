@@ -45,6 +45,8 @@ class JobRecord:
     replica_seq: int = 0
     replica_failures: int = 0
     replica_restart_at: datetime | None = None
+    parked_reason: str | None = None
+    cancel_reason: str | None = None
 
     @property
     def kind(self) -> JobKind:
@@ -61,6 +63,20 @@ class JobRecord:
     @property
     def priority_class(self) -> PriorityClass:
         return PriorityClass(self.spec.priority_class.value)
+
+
+class UnreadableJob(Exception):
+    """A stored job row that no longer parses (a bad value written by an older
+    release or by hand): the job is parked, the rest of the queue goes on."""
+
+    def __init__(self, job_id: str, cause: Exception) -> None:
+        super().__init__(f"job {job_id}'s stored row cannot be read: {_first_line(cause)}")
+        self.job_id = job_id
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return " ".join(text[:3])[:300] if text else type(exc).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +356,13 @@ def _checkpoint(value: Any) -> CheckpointInfo | None:
 
 
 def _job(row: Any) -> JobRecord:
+    try:
+        return _parse_job(row)
+    except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError included
+        raise UnreadableJob(row.job_id, exc) from exc
+
+
+def _parse_job(row: Any) -> JobRecord:
     return JobRecord(
         job_id=row.job_id,
         spec=SubmitJob.model_validate(row.spec),
@@ -357,6 +380,8 @@ def _job(row: Any) -> JobRecord:
         replica_seq=row.replica_seq,
         replica_failures=row.replica_failures,
         replica_restart_at=row.replica_restart_at,
+        parked_reason=row.parked_reason,
+        cancel_reason=row.cancel_reason,
     )
 
 
@@ -424,6 +449,100 @@ async def job(uow: UnitOfWork, job_id: str) -> JobRecord | None:
         await uow.execute(f"SELECT * FROM {_t(uow, 'jobs')} WHERE job_id = :id", {"id": job_id})
     ).first()
     return None if row is None else _job(row)
+
+
+async def job_row(uow: UnitOfWork, job_id: str) -> Any:
+    """The job's raw row (for showing a job whose row does not parse), or None."""
+    return (
+        await uow.execute(f"SELECT * FROM {_t(uow, 'jobs')} WHERE job_id = :id", {"id": job_id})
+    ).first()
+
+
+async def park_job(uow: UnitOfWork, job_id: str, reason: str, now: datetime) -> str | None:
+    """Set the job aside with ``reason``; the state it had (None: unknown or finished)."""
+    result = await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} j SET state = :parked, parked_reason = :reason, "
+        "parked_at = :now, updated_at = :now, wait_audited = false "
+        f"FROM (SELECT job_id, state FROM {_t(uow, 'jobs')} WHERE job_id = :id FOR UPDATE) old "
+        "WHERE j.job_id = old.job_id AND old.state <> ALL(:finished) RETURNING old.state",
+        {
+            "id": job_id,
+            "parked": JobState.PARKED,
+            "reason": reason[:2000],
+            "now": now,
+            "finished": [JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED],
+        },
+    )
+    row = result.first()
+    return None if row is None else str(row.state)
+
+
+async def count_parked(uow: UnitOfWork) -> int:
+    result = await uow.execute(
+        f"SELECT count(*) FROM {_t(uow, 'jobs')} WHERE state = :parked",
+        {"parked": JobState.PARKED},
+    )
+    return int(result.scalar_one())
+
+
+async def unpark_job(uow: UnitOfWork, job_id: str, now: datetime) -> None:
+    """Back to the queue, its parked reason cleared (an operator's retry)."""
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET state = :queued, parked_reason = NULL, parked_at = NULL, "
+        "wait_audited = false, updated_at = :now WHERE job_id = :id",
+        {"id": job_id, "queued": JobState.QUEUED, "now": now},
+    )
+
+
+async def set_cancel_reason(uow: UnitOfWork, job_id: str, reason: str, now: datetime) -> None:
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET cancel_reason = :reason, updated_at = :now "
+        "WHERE job_id = :id",
+        {"id": job_id, "reason": reason, "now": now},
+    )
+
+
+async def job_state(uow: UnitOfWork, job_id: str) -> tuple[str, str | None] | None:
+    """(state, cancel reason) of a job without parsing its spec, or None if unknown."""
+    row = (
+        await uow.execute(
+            f"SELECT state, cancel_reason FROM {_t(uow, 'jobs')} WHERE job_id = :id",
+            {"id": job_id},
+        )
+    ).first()
+    return None if row is None else (str(row.state), row.cancel_reason)
+
+
+async def set_state_only(uow: UnitOfWork, job_id: str, state: JobState, now: datetime) -> None:
+    """Move a job whose spec may not parse (parked, cancelled): no allocation kept."""
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET state = :state, allocation_id = NULL, updated_at = :now "
+        "WHERE job_id = :id",
+        {"id": job_id, "state": state, "now": now},
+    )
+
+
+async def record_started(uow: UnitOfWork, allocation_id: str, at: datetime) -> bool:
+    """The agent reported the allocation's workload started; False if unknown or released."""
+    result = await uow.execute(
+        f"UPDATE {_t(uow, 'allocations')} SET started_at = coalesce(started_at, :at) "
+        "WHERE allocation_id = :id AND released_at IS NULL RETURNING allocation_id",
+        {"id": allocation_id, "at": at},
+    )
+    return result.first() is not None
+
+
+async def started_on(uow: UnitOfWork, nodes: Sequence[str]) -> list[tuple[str, str]]:
+    """(allocation_id, job_id) of the live allocations on ``nodes`` whose workload the
+    agent reported started."""
+    rows = await uow.execute(
+        f"SELECT allocation_id, job_id FROM {_t(uow, 'allocations')} a "
+        "WHERE released_at IS NULL AND started_at IS NOT NULL AND EXISTS (SELECT 1 FROM "
+        "jsonb_array_elements(a.gpus) g WHERE g->>'node' = ANY(:nodes)) "
+        "ORDER BY granted_at, allocation_id",
+        {"nodes": list(nodes)},
+    )
+    return [(row.allocation_id, row.job_id) for row in rows]
 
 
 async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
@@ -548,6 +667,15 @@ async def set_replica_restart(
         f"UPDATE {_t(uow, 'jobs')} SET replica_failures = :failures, "
         "replica_restart_at = :restart_at, updated_at = :now WHERE job_id = :job_id",
         {"job_id": job_id, "failures": failures, "restart_at": restart_at, "now": now},
+    )
+
+
+async def pause_replicas(uow: UnitOfWork, job_id: str, until: datetime, now: datetime) -> None:
+    """No replica of the service is placed before ``until`` (its failure count kept)."""
+    await uow.execute(
+        f"UPDATE {_t(uow, 'jobs')} SET replica_restart_at = :until, updated_at = :now "
+        "WHERE job_id = :job_id",
+        {"job_id": job_id, "until": until, "now": now},
     )
 
 

@@ -1,13 +1,17 @@
 """Composition root of the cluster agent (the simulated cluster).
 
 It has no database of its own: the runtime runs without migrations, consumers use
-edge handlers (no unit of work, no inbox), and events are published straight to
-JetStream with deterministic ids instead of through an outbox.
+edge handlers (no unit of work, no inbox), and events are published to JetStream with
+deterministic ids through an in-memory buffer instead of an outbox: while NATS is away
+the workloads keep running and the reports wait. At start and after every reconnect
+the agent says `agent.ready` with what it runs.
 """
 
 from __future__ import annotations
 
-from gpusched.agent.feed import follow_admission
+import socket
+
+from gpusched.agent.feed import caught_up, follow_admission
 from gpusched.agent.handlers import ClusterAgent
 from gpusched.agent.publisher import Publisher
 from gpusched.contracts.messages import T
@@ -21,6 +25,9 @@ NAME = "agent"
 SCHEMA = "agent"
 # How often the workload supervisor wakes when idle; it mostly waits for shutdown.
 _SUPERVISE_INTERVAL_S = 1.0
+# How often the agent checks whether it owes admission an `agent.ready` (after start,
+# after a reconnect).
+_READY_CHECK_S = 0.5
 
 
 async def build(rt: ServiceRuntime) -> None:
@@ -32,7 +39,12 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
     s = rt.subjects
     nats_url, _ = rt.settings.require_urls()
     agent = ClusterAgent(
-        Publisher(rt.js, NAME), s, rt.settings.agent, nats_url=nats_url, connection=rt.nc
+        Publisher(rt.nc, rt.js, NAME),
+        s,
+        rt.settings.agent,
+        agent_id=f"{NAME}@{socket.gethostname()}",
+        nats_url=nats_url,
+        connection=rt.nc,
     )
     rt.consume(
         bus.Consumer(
@@ -48,9 +60,14 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
             },
         )
     )
-    await follow_admission(rt.js, s, agent.on_admission_event)
+    feed = await follow_admission(rt.js, s, agent.on_admission_event)
+
+    async def announce() -> None:
+        await agent.announce_if_due(lambda: caught_up(feed))
+
     rt.every("telemetry", rt.settings.agent.telemetry_interval_s, agent.publish_telemetry)
     rt.every("workloads", _SUPERVISE_INTERVAL_S, agent.supervise)
+    rt.every("ready", _READY_CHECK_S, announce)
     # Stop the workloads as soon as the service stops, not when its loops are cancelled.
     rt.on_close(agent.close)
     return agent

@@ -8,13 +8,15 @@ follows it live. Applying an event only updates the in-memory projection.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import Error as JetStreamError
 
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.errors import MalformedMessage
@@ -27,7 +29,7 @@ EventSink = Callable[[Envelope], Awaitable[None]]
 
 async def follow_admission(
     js: JetStreamContext, subjects: Subjects, sink: EventSink
-) -> Subscription:
+) -> JetStreamContext.PushSubscription:
     async def on_message(msg: Msg) -> None:
         try:
             await sink(Envelope.from_bytes(msg.data))
@@ -42,3 +44,16 @@ async def follow_admission(
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.ALL,
     )
+
+
+_INFO_TIMEOUT_S = 2.0
+
+
+async def caught_up(sub: JetStreamContext.PushSubscription) -> bool:
+    """True once every admission event stored so far has been applied (False while the
+    server cannot say, e.g. during an outage)."""
+    try:
+        info = await asyncio.wait_for(sub.consumer_info(), _INFO_TIMEOUT_S)
+    except (NatsError, JetStreamError, TimeoutError, OSError):
+        return False
+    return info.num_pending == 0 and sub.pending_msgs == 0

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -30,6 +30,7 @@ from gpusched.agent.workloads import (
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
+    AgentReady,
     AllocationReleased,
     EvictFailed,
     EvictWorkload,
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = "chat"
 _REMEMBERED_STOPS = 10_000
 _SHUTDOWN_PUBLISH_S = 2.0
+# Telemetry older than this is not worth sending after an outage: newer samples follow.
+TELEMETRY_STALE_S = 30.0
 
 
 class Phase(StrEnum):
@@ -93,6 +96,7 @@ class ClusterAgent:
         subjects: Subjects,
         settings: AgentSettings,
         *,
+        agent_id: str,
         nats_url: str,
         connection: NatsClient,
         evict_grace_s: float = 10.0,
@@ -117,6 +121,9 @@ class ClusterAgent:
         self.down_nodes: set[str] = set()
         self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
         self._tick = 0
+        self.agent_id = agent_id
+        # The connection's reconnect count when agent.ready last went out (None: never).
+        self._announced_at: int | None = None
         self._closing = False
         self._closed = asyncio.Event()
 
@@ -315,7 +322,12 @@ class ClusterAgent:
         training = {GpuRef(g.node, g.index) for e in self._running.values() for g in e.start.gpus}
         models = {g.node: g.model for e in self._running.values() for g in e.start.gpus}
         for sample in gpu_samples(self.view, training, self.demand_gpus, self._tick, now, models):
-            await self._publisher.publish(self._s.telemetry_gpu(sample.node), T.GPU_SAMPLE, sample)
+            await self._publisher.publish(
+                self._s.telemetry_gpu(sample.node),
+                T.GPU_SAMPLE,
+                sample,
+                stale_after_s=TELEMETRY_STALE_S,
+            )
         serving = len(self.view.serving_gpus())
         if serving == 0:
             return  # no inference service is deployed yet
@@ -331,10 +343,47 @@ class ClusterAgent:
             p99_ms=round(load.p99_ms, 3),
         )
         await self._publisher.publish(
-            self._s.telemetry_inference(INFERENCE_SERVICE), T.INFERENCE_STATS, stats
+            self._s.telemetry_inference(INFERENCE_SERVICE),
+            T.INFERENCE_STATS,
+            stats,
+            stale_after_s=TELEMETRY_STALE_S,
         )
 
     # --- lifecycle ----------------------------------------------------------------------
+    async def announce_if_due(self, caught_up: Callable[[], Awaitable[bool]]) -> bool:
+        """Say `agent.ready` once after start and once after every reconnect to NATS,
+        as soon as the agent has caught up with admission's events (it then knows its
+        nodes). True if it announced now."""
+        if self._closing or not self._nc.is_connected:
+            return False
+        epoch = int(self._nc.stats.get("reconnects", 0))
+        if epoch == self._announced_at or not await caught_up():
+            return False
+        self._announced_at = epoch
+        await self.announce()
+        return True
+
+    async def announce(self) -> None:
+        """Publish `agent.ready`: this agent, its nodes and the allocations it runs."""
+        ready = AgentReady(
+            agent_id=self.agent_id,
+            nodes=sorted(self.view.nodes),
+            running=sorted(a for a, e in self._running.items() if e.phase is Phase.RUNNING),
+            time=self._now(),
+        )
+        log.info(
+            "agent %s ready: %d node(s), %d allocation(s) running",
+            self.agent_id,
+            len(ready.nodes),
+            len(ready.running),
+        )
+        await self._publisher.publish(
+            self._s.event("agent", T.AGENT_READY),
+            T.AGENT_READY,
+            ready,
+            correlation_id=self.agent_id,
+        )
+
     async def supervise(self) -> None:
         """Runs for the agent's life; when the runtime stops (cancels it), no workload
         outlives the agent."""
@@ -344,7 +393,9 @@ class ClusterAgent:
             await self.close()
 
     async def close(self) -> None:
-        """Stop every workload (processes get SIGTERM, then SIGKILL) and report them."""
+        """Stop every workload (a sim job checkpoints first if it can within the grace;
+        processes get SIGTERM, then SIGKILL) and report them interrupted: admission
+        requeues them from their newest verified checkpoint. Bounded in time."""
         if self._closing:
             await self._closed.wait()
             return
@@ -354,23 +405,28 @@ class ClusterAgent:
             for entry in entries:
                 entry.phase = Phase.STOPPING
             codes = await asyncio.gather(
-                *(e.workload.stop(self._shutdown_grace_s) for e in entries),
+                *(e.workload.stop(self._shutdown_grace_s, checkpoint=True) for e in entries),
                 return_exceptions=True,
             )
             for entry, code in zip(entries, codes, strict=True):
                 await self._forget_watcher(entry)
                 exit_code = code if isinstance(code, int) else None
                 with contextlib.suppress(Exception):
-                    # The cluster goes away with the agent; say so if the bus still listens.
                     await asyncio.wait_for(
                         self._report_stop(
                             entry.start,
-                            WorkloadExit(StopReason.FAILED, exit_code, "the cluster agent stopped"),
+                            WorkloadExit(
+                                StopReason.INTERRUPTED, exit_code, "the cluster agent stopped"
+                            ),
                             saga_id=None,
                             causation_id=None,
                         ),
                         _SHUTDOWN_PUBLISH_S,
                     )
+            # The cluster goes away with the agent; say so if the bus still listens.
+            left = await self._publisher.close(_SHUTDOWN_PUBLISH_S)
+            if left:
+                log.warning("agent stopped with %d report(s) undelivered", left)
         finally:
             self._running.clear()
             self._closed.set()

@@ -41,6 +41,9 @@ from gpusched.simcluster.training import checkpoint_step as read_checkpoint_step
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+# How long a finished sim job waits for its last events (completion) to be delivered
+# when the control plane is away; the agent reports the workload stopped after that.
+_RESULT_FLUSH_S = 300.0
 # Interpreter names in argv that mean "the Python this agent runs on", which has the SDK.
 _PYTHON_NAMES = frozenset({"python", "python3"})
 
@@ -63,8 +66,9 @@ class Workload(Protocol):
     async def wait(self) -> WorkloadExit:
         """Until it ends by itself."""
 
-    async def stop(self, grace_s: float) -> int | None:
-        """End it now (exit code, if it has one)."""
+    async def stop(self, grace_s: float, *, checkpoint: bool = False) -> int | None:
+        """End it now (exit code, if it has one). With `checkpoint` (the agent shuts
+        down), it first saves a checkpoint if it can do so within `grace_s`."""
 
 
 def job_dir(workdir: Path, job_id: str) -> Path:
@@ -104,6 +108,8 @@ class SimWorkload:
             "", start.job_id, start.attempt, prefix=prefix, connection=connection
         )
         self._task: asyncio.Task[WorkloadExit] | None = None
+        self._step: int | None = None  # the step reached, once training has begun
+        self._first_step = 0
 
     async def launch(self) -> None:
         # Listening before the agent reports the workload started: a control message
@@ -118,54 +124,76 @@ class SimWorkload:
         assert self._task is not None
         return await asyncio.shield(self._task)
 
-    async def stop(self, grace_s: float) -> int | None:
+    async def stop(self, grace_s: float, *, checkpoint: bool = False) -> int | None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        await self._job.close()
+        step = self._step
+        if (
+            checkpoint
+            and step is not None
+            and step > self._first_step
+            and self._loop.checkpoint_interval_s < grace_s
+        ):
+            # The agent is going away: save the work done since the last checkpoint, so
+            # the job resumes from here rather than from further back.
+            try:
+                await asyncio.wait_for(self._checkpoint(None, step), grace_s)
+            except (TimeoutError, JobClientError) as exc:
+                log.warning("sim job %s: no checkpoint at stop: %r", self._start.job_id, exc)
+        await self._job.close(timeout=grace_s)
         return None
 
     async def _run(self) -> WorkloadExit:
-        job, loop = self._job, self._loop
+        job = self._job
         try:
-            try:
-                step = self._resume_step()
-            except (OSError, ValueError) as exc:
-                await job.failed(f"cannot resume: {exc}")
-                return WorkloadExit(StopReason.FAILED, error=str(exc))
-            resumed = self._start.resume_from
-            await job.started(resumed_from=resumed.checkpoint_id if resumed else None)
-            clock = asyncio.get_running_loop()
-            next_step_at = clock.time() + loop.step_interval_s
-            reported = step
-            while not loop.is_done(step):
-                message = await job.next_control(max(0.0, next_step_at - clock.time()))
-                if isinstance(message, CheckpointRequest):
-                    await self._checkpoint(message, step)
-                    # Training stood still while it checkpointed.
-                    next_step_at = clock.time() + loop.step_interval_s
-                elif isinstance(message, ResumeRequest):
-                    try:
-                        step = reported = self._checkpoint_step(message.uri, None)
-                    except (OSError, ValueError) as exc:
-                        log.warning("job %s cannot resume from %s: %s", job.job_id, message, exc)
-                elif isinstance(message, PreemptionCancelled):
-                    log.info("job %s keeps training: %s cancelled", job.job_id, message.request_id)
-                while clock.time() >= next_step_at and not loop.is_done(step):
-                    step += 1
-                    next_step_at += loop.step_interval_s
-                every = loop.progress_every
-                if step != reported and (step // every > reported // every or loop.is_done(step)):
-                    reported = step
-                    await job.progress(step, loss=loop.loss(step))
-            await job.completed(step)
-            return WorkloadExit(StopReason.COMPLETED, exit_code=0)
+            result = await self._train()
         except JobClientError as exc:
             log.warning("sim job %s lost the control plane: %s", job.job_id, exc)
+            result = WorkloadExit(StopReason.FAILED, error=str(exc))
+        self._step = None  # training is over: nothing left to checkpoint at a stop
+        # Not in a `finally`: a stopped job is closed by `stop`, after its checkpoint.
+        await job.close(timeout=_RESULT_FLUSH_S)
+        return result
+
+    async def _train(self) -> WorkloadExit:
+        job, loop = self._job, self._loop
+        try:
+            step = self._resume_step()
+        except (OSError, ValueError) as exc:
+            await job.failed(f"cannot resume: {exc}")
             return WorkloadExit(StopReason.FAILED, error=str(exc))
-        finally:
-            await job.close()
+        self._first_step = step
+        resumed = self._start.resume_from
+        await job.started(resumed_from=resumed.checkpoint_id if resumed else None)
+        self._step = step
+        clock = asyncio.get_running_loop()
+        next_step_at = clock.time() + loop.step_interval_s
+        reported = step
+        while not loop.is_done(step):
+            message = await job.next_control(max(0.0, next_step_at - clock.time()))
+            if isinstance(message, CheckpointRequest):
+                await self._checkpoint(message, step)
+                # Training stood still while it checkpointed.
+                next_step_at = clock.time() + loop.step_interval_s
+            elif isinstance(message, ResumeRequest):
+                try:
+                    step = reported = self._checkpoint_step(message.uri, None)
+                except (OSError, ValueError) as exc:
+                    log.warning("job %s cannot resume from %s: %s", job.job_id, message, exc)
+            elif isinstance(message, PreemptionCancelled):
+                log.info("job %s keeps training: %s cancelled", job.job_id, message.request_id)
+            while clock.time() >= next_step_at and not loop.is_done(step):
+                step += 1
+                next_step_at += loop.step_interval_s
+            self._step = step
+            every = loop.progress_every
+            if step != reported and (step // every > reported // every or loop.is_done(step)):
+                reported = step
+                await job.progress(step, loss=loop.loss(step))
+        await job.completed(step)
+        return WorkloadExit(StopReason.COMPLETED, exit_code=0)
 
     def _resume_step(self) -> int:
         resume = self._start.resume_from
@@ -180,7 +208,7 @@ class SimWorkload:
             raise CheckpointContentError(f"{uri} does not match its sha256 {sha256}")
         return read_checkpoint_step(path.read_bytes(), self._start.job_id)
 
-    async def _checkpoint(self, request: CheckpointRequest, step: int) -> None:
+    async def _checkpoint(self, request: CheckpointRequest | None, step: int) -> None:
         job_id = self._start.job_id
         document = checkpoint_document(job_id, step)
         path = self._dir / f"ckpt-{step}.json"
@@ -279,7 +307,9 @@ class ProcessWorkload:
             return WorkloadExit(StopReason.COMPLETED, exit_code=0)
         return WorkloadExit(StopReason.FAILED, exit_code=code, error=f"exit code {code}")
 
-    async def stop(self, grace_s: float) -> int | None:
+    async def stop(self, grace_s: float, *, checkpoint: bool = False) -> int | None:
+        # `checkpoint` changes nothing here: SIGTERM is the process's cue to stop, and
+        # a job may save on it within the grace; its client delivers buffered events.
         process = self._process
         if process is None:
             return None

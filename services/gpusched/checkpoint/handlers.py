@@ -24,7 +24,7 @@ from gpusched.checkpoint import store
 from gpusched.checkpoint.api import checkpoint_info
 from gpusched.checkpoint.policy import EvictionPolicies
 from gpusched.checkpoint.storage import CheckpointStorage, FileStorage
-from gpusched.checkpoint.verification import Verdict, judge
+from gpusched.checkpoint.verification import ClaimCheck, Verdict, judge
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
@@ -72,6 +72,7 @@ class AuditAction(StrEnum):
     CHECKPOINT_CONFIRMED = "checkpoint.confirmed"
     CHECKPOINT_RECORDED = "checkpoint.recorded"
     CHECKPOINT_UNVERIFIED = "checkpoint.unverified"
+    CHECKPOINT_TRUSTED = "checkpoint.trusted"
     CHECKPOINT_RETIRED = "checkpoint.retired"
     EVICT = "evict"
     WORKLOAD_EVICTED = "workload.evicted"
@@ -227,6 +228,7 @@ class SagaHandlers:
             await _unverified(uow, job_id, confirmed.request_id, ref, verdict, sagas, envelope.id)
             return
         if await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now):
+            await _announce(uow, job_id, confirmed.request_id, ref, verdict, now, envelope.id)
             await self._retire_old_checkpoints(uow, job_id, envelope.id)
         event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
         for saga in sagas:
@@ -443,6 +445,59 @@ async def _emit(
         correlation_id=saga.saga_id,
         causation_id=causation_id,
         trace_headers=trace,
+    )
+
+
+async def _announce(
+    uow: UnitOfWork,
+    job_id: str,
+    request_id: str | None,
+    checkpoint: CheckpointRef,
+    verdict: Verdict,
+    confirmed_at: datetime,
+    causation_id: str,
+) -> None:
+    """Tell the rest of the system about a catalogued checkpoint, in the transaction that
+    catalogues it: only the first cataloguing of a checkpoint at a stage announces it, so
+    a redelivered or repeated claim is announced once. Admission (resume, `jobs.get`) and
+    preemption (lost work, victim choice) follow this event, never the job's raw claims."""
+    await uow.emit(
+        uow.subjects.event(SERVICE, T.CHECKPOINT_VERIFIED),
+        T.CHECKPOINT_VERIFIED,
+        wire.CheckpointVerified(
+            job_id=job_id,
+            request_id=request_id,
+            checkpoint=_info(checkpoint),
+            confirmed_at=confirmed_at,
+        ),
+        correlation_id=job_id,
+        causation_id=causation_id,
+    )
+    if verdict.check is ClaimCheck.UNVERIFIABLE:
+        # Storage this service cannot read (or verification switched off): the claim is
+        # taken on trust, and the audit stream says so.
+        await uow.audit(
+            AuditAction.CHECKPOINT_TRUSTED,
+            entity=job_id,
+            reason=f"checkpoint {checkpoint.checkpoint_id} taken on trust: {verdict.why}",
+            details={
+                "job_id": job_id,
+                "request_id": request_id,
+                "checkpoint": checkpoint.to_dict(),
+                "verification": verdict.check.value,
+            },
+            causation_id=causation_id,
+        )
+
+
+def _info(ref: CheckpointRef) -> wire.CheckpointInfo:
+    return wire.CheckpointInfo(
+        checkpoint_id=ref.checkpoint_id,
+        step=ref.step,
+        uri=ref.uri,
+        bytes=ref.bytes,
+        sha256=ref.sha256,
+        stage=wire.StageName(ref.stage.value),
     )
 
 

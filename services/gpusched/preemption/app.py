@@ -87,15 +87,9 @@ async def build(rt: ServiceRuntime) -> None:
                 T.EVICTION_FORCED: controller.on_eviction_settled,
                 T.EVICTION_CANCELLED: controller.on_eviction_settled,
                 T.EVICTION_ABORTED: controller.on_eviction_aborted,
+                # Lost work counts from verified checkpoints only (DESIGN §5).
+                T.CHECKPOINT_VERIFIED: handlers.on_checkpoint_verified,
             },
-        )
-    )
-    rt.consume(
-        bus.Consumer(
-            durable="preemption-job-events",
-            stream=s.stream("JOBS"),
-            subjects=[s.all_job_events],
-            handlers={T.CHECKPOINT_CONFIRMED: handlers.on_checkpoint_confirmed},
         )
     )
 

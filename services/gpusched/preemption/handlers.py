@@ -12,6 +12,7 @@ lease lost mid-tick) decide one after the other, each seeing the other's effect.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -21,13 +22,13 @@ from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from gpusched.contracts.envelope import Envelope, new_id, utcnow
 from gpusched.contracts.messages import (
     AllocationGranted,
     AllocationReleased,
-    CheckpointConfirmed,
+    CheckpointVerified,
     EvictionAborted,
     EvictionCancelled,
     EvictionCompleted,
@@ -48,8 +49,8 @@ from gpusched.contracts.messages import (
 from gpusched.domain.elastic import VictimCandidate, VictimChoice
 from gpusched.domain.inventory import Pool
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
-from gpusched.infra.errors import Rejected
-from gpusched.preemption import policy, signals, store
+from gpusched.infra.errors import Rejected, is_outage
+from gpusched.preemption import inputs, policy, signals, store
 from gpusched.preemption.store import DecisionKind, DecisionStatus, EvictionStatus
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,16 @@ SHORTFALL_GPUS = Gauge(
     "gpusched_preemption_shortfall_gpus",
     "GPUs inference needed that no allowed victim could free, at the last expansion",
 )
+TICK_FAILURES = Counter(
+    "gpusched_preemption_tick_failures",
+    "Decision rounds that failed for a reason other than an outage, by error type",
+    ["error"],
+)
+# A snapshot dated further ahead of this service's clock would hold every later reading
+# off (readings older than the newest are ignored): it is refused instead.
+FUTURE_SKEW_S = 300.0
+# How many distinct tick errors are remembered as audited while the errors go on.
+TICK_ERRORS_REMEMBERED = 64
 
 
 # --- projections of admission's ledger ---------------------------------------------------
@@ -96,14 +107,11 @@ async def on_gpus_returned(envelope: Envelope, uow: UnitOfWork) -> None:
     await store.unlend(uow, envelope.payload(GpusReturned).gpus)
 
 
-async def on_checkpoint_confirmed(envelope: Envelope, uow: UnitOfWork) -> None:
-    """Job events carry the job id as their correlation id; the confirmation's time
-    bounds the work an eviction would lose."""
-    envelope.payload(CheckpointConfirmed)
-    if envelope.correlation_id is None:
-        log.debug("checkpoint confirmation %s names no job", envelope.id)
-        return
-    await store.record_checkpoint(uow, envelope.correlation_id, envelope.time)
+async def on_checkpoint_verified(envelope: Envelope, uow: UnitOfWork) -> None:
+    """The checkpoint service verified and catalogued a job's checkpoint: from its time
+    on an eviction would lose nothing earlier. A job's raw claim never counts here."""
+    verified = envelope.payload(CheckpointVerified)
+    await store.record_checkpoint(uow, verified.job_id, verified.confirmed_at)
 
 
 # --- the controller ------------------------------------------------------------------------
@@ -126,11 +134,23 @@ class Controller:
         self._clock = clock
         # Named in every decision's audit record: which replica decided.
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
+        self._skips = inputs.Skips()
+        # Tick errors audited since the last good tick: each is audited once, not on
+        # every round while it lasts.
+        self._tick_errors: set[str] = set()
 
     async def on_pool_snapshot(self, envelope: Envelope, uow: UnitOfWork) -> None:
-        """Fold the reading into the windows; the leader's loop decides on them."""
-        snapshot = envelope.payload(PoolSnapshot)
+        """Fold the reading into the windows; the leader's loop decides on them. A service
+        reading that cannot be read is left out and reported; the rest is used."""
+        snapshot, skipped = inputs.read_snapshot(envelope.data)
+        ahead = (snapshot.time - self._clock()).total_seconds()
+        if ahead > FUTURE_SKEW_S:
+            raise Rejected(
+                f"pool snapshot dated {snapshot.time.isoformat()}, {ahead:.0f} s ahead of this "
+                f"service's clock (more than {FUTURE_SKEW_S:.0f} s): a clock or exporter fault"
+            )
         reading = _reading(snapshot)
+        await self._report_skipped(uow, skipped, envelope.id)
         timers = await store.lock_controller(uow)
         held = signals.fold(
             timers.held,
@@ -145,14 +165,79 @@ class Controller:
         await store.record_reading(uow, envelope.id, snapshot, held)
 
     async def tick(self, uow_factory: UnitOfWorkFactory) -> None:
-        """One decision round on the leader, in its own unit of work."""
-        async with uow_factory() as uow:
-            await self.decide(uow)
-            await uow.commit()
+        """One decision round on the leader, in its own unit of work. An outage is left
+        to the runtime (the next round tries again); any other failure is counted, and
+        logged and audited once per distinct error while it repeats."""
+        try:
+            async with uow_factory() as uow:
+                await self.decide(uow)
+                await uow.commit()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if is_outage(exc):
+                raise
+            await self._tick_failed(uow_factory, exc)
+            return
+        self._tick_errors.clear()
+
+    async def _tick_failed(self, uow_factory: UnitOfWorkFactory, exc: Exception) -> None:
+        TICK_FAILURES.labels(type(exc).__name__).inc()
+        # The first line names the error; what follows (SQL, parameters, fresh ids) would
+        # make each round's error look new.
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        if error in self._tick_errors:
+            log.debug("decision round failed again: %s", error)
+            return
+        if len(self._tick_errors) >= TICK_ERRORS_REMEMBERED:
+            self._tick_errors.clear()
+        log.error("decision round failed: %s", error, exc_info=exc)
+        try:
+            async with uow_factory() as uow:
+                await uow.audit(
+                    "preempt.tick_failed",
+                    "controller",
+                    f"a decision round failed ({error}); the controller tries again every "
+                    "interval and records this error once while it lasts",
+                    {"replica": self.replica, "error": error, "error_type": type(exc).__name__},
+                )
+                await uow.commit()
+        except Exception as audit_exc:
+            # Not remembered: the next round tries to audit it again.
+            log.warning("could not audit the failed decision round: %r", audit_exc)
+            return
+        self._tick_errors.add(error)
+
+    async def _candidates(
+        self, uow: UnitOfWork, now: datetime, cause: str
+    ) -> tuple[VictimCandidate, ...]:
+        """The victim candidates a choice can rank; the rest are reported and left out."""
+        found = await store.candidates(uow)
+        usable, unrankable = inputs.vet_candidates(found.usable, now)
+        await self._report_skipped(uow, (*found.skipped, *unrankable), cause)
+        return usable
+
+    async def _report_skipped(
+        self, uow: UnitOfWork, skipped: tuple[inputs.SkippedInput, ...], cause: str | None
+    ) -> None:
+        # Every skip is counted; a bad item that keeps coming back is audited once.
+        for item in self._skips.new(skipped):
+            await uow.audit(
+                "preempt.input_skipped",
+                item.key,
+                f"{item.kind} {item.key} left out of the controller's decisions: {item.reason}",
+                {**item.describe(), "replica": self.replica},
+                causation_id=cause,
+            )
 
     async def decide(self, uow: UnitOfWork) -> policy.Outcome | None:
         now = self._clock()
         timers = await store.lock_controller(uow)
+        if timers.unreadable is not None:
+            skipped = inputs.SkippedInput(
+                inputs.InputKind.POOL_READING, "stored", timers.unreadable
+            )
+            await self._report_skipped(uow, (skipped,), None)
         if timers.reading is None or timers.reading_id is None:
             return None
         reading = _reading(timers.reading)
@@ -167,7 +252,9 @@ class Controller:
             last_shortfall_at=timers.last_shortfall_at,
             reservations=await store.reservations(uow),
             shared_allocated_gpus=await store.shared_allocated_gpus(uow),
-            candidates=await store.candidates(uow) if wants_candidates else (),
+            candidates=(
+                await self._candidates(uow, now, timers.reading_id) if wants_candidates else ()
+            ),
             withdrawable=await store.withdrawable_evictions(uow) if in_flight else (),
             recent_evictions=await self._recent_evictions(uow, now),
             islands=await store.islands(uow) if wants_candidates else None,
@@ -175,16 +262,16 @@ class Controller:
         outcome = policy.decide(reading, timers.held, view, self._limits, now)
         # The snapshot that completed the window is the decision's cause.
         cause = timers.reading_id
-        inputs = self._inputs(cause, reading, timers.held, view, now)
+        seen = self._inputs(cause, reading, timers.held, view, now)
         match outcome:
             case policy.Hold(reason=reason):
                 log.debug("no pool change on reading %s: %s", cause, reason)
             case policy.Expand():
-                await self._expand(uow, cause, outcome, inputs, now)
+                await self._expand(uow, cause, outcome, seen, now)
             case policy.Shrink():
-                await self._shrink(uow, cause, outcome, inputs, now)
+                await self._shrink(uow, cause, outcome, seen, now)
             case policy.Withdraw():
-                await self._withdraw(uow, cause, outcome, inputs, now)
+                await self._withdraw(uow, cause, outcome, seen, now)
         return outcome
 
     async def _recent_evictions(self, uow: UnitOfWork, now: datetime) -> int:
@@ -321,7 +408,7 @@ class Controller:
             return
         await store.finish_eviction(uow, row.request_id, EvictionStatus.ABORTED, now)
         choice = policy.replacement(
-            await store.candidates(uow),
+            await self._candidates(uow, now, envelope.id),
             row.gpus,
             now,
             await store.tried_allocations(uow, row.decision_id),

@@ -10,12 +10,15 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpusched.contracts.messages import AllocationGranted, PoolSnapshot
 from gpusched.contracts.messages import GpuRef as WireGpuRef
 from gpusched.domain.elastic import PriorityClass, VictimCandidate
 from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.infra import tracing
 from gpusched.infra.db import UnitOfWork
+from gpusched.preemption.inputs import InputKind, SkippedInput
 from gpusched.preemption.policy import LentReservation
 from gpusched.preemption.signals import HeldSignals
 
@@ -48,6 +51,8 @@ class ControllerRow:
     # The newest pool snapshot as it came off the wire, and its message id.
     reading: PoolSnapshot | None
     reading_id: str | None
+    # Why the stored reading could not be read (it is then None), if it could not.
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +74,21 @@ async def lock_controller(uow: UnitOfWork) -> ControllerRow:
             f"expand_since, shrink_since FROM {uow.schema}.controller WHERE id = 1 FOR UPDATE"
         )
     ).one()
+    reading, unreadable = None, None
+    if row.reading is not None:
+        try:
+            reading = PoolSnapshot.model_validate(row.reading)
+        except ValidationError as exc:
+            # Stored by another version, or damaged: the controller waits for the next
+            # snapshot (which replaces it) instead of failing every round on it.
+            unreadable = f"stored reading {row.reading_id} unreadable: {exc.errors()[0]['msg']}"
     return ControllerRow(
         row.last_change_at,
         row.last_shortfall_at,
         HeldSignals(row.reading_at, row.expand_since, row.shrink_since),
-        None if row.reading is None else PoolSnapshot.model_validate(row.reading),
-        row.reading_id,
+        reading,
+        None if reading is None else row.reading_id,
+        unreadable,
     )
 
 
@@ -178,8 +192,17 @@ async def shared_allocated_gpus(uow: UnitOfWork) -> int:
     return int(result.scalar_one())
 
 
-async def candidates(uow: UnitOfWork) -> tuple[VictimCandidate, ...]:
-    """Live allocations not already being evicted."""
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    usable: tuple[VictimCandidate, ...]
+    # Rows that could not be read as a candidate: left out of the choice, reported.
+    skipped: tuple[SkippedInput, ...] = ()
+
+
+async def candidates(uow: UnitOfWork) -> Candidates:
+    """Live allocations not already being evicted. A row that cannot be read (a class
+    or pool this version does not know, broken GPU refs) is left out, not fatal: one
+    bad row must not stop every victim choice."""
     s = uow.schema
     rows = await uow.execute(
         f"SELECT * FROM {s}.allocations a WHERE NOT EXISTS (SELECT 1 FROM {s}.evictions e "
@@ -187,7 +210,20 @@ async def candidates(uow: UnitOfWork) -> tuple[VictimCandidate, ...]:
         "ORDER BY allocation_id",
         {"requested": EvictionStatus.REQUESTED},
     )
-    return tuple(c for c in (_candidate(r._mapping) for r in rows) if c is not None)
+    usable: list[VictimCandidate] = []
+    skipped: list[SkippedInput] = []
+    for row in rows:
+        mapping = row._mapping
+        try:
+            candidate = _candidate(mapping)
+        except (KeyError, TypeError, ValueError) as exc:
+            key = str(mapping.get("allocation_id", "?"))
+            why = f"unreadable allocation row: {type(exc).__name__}: {exc}"
+            skipped.append(SkippedInput(InputKind.ALLOCATION, key, why))
+            continue
+        if candidate is not None:
+            usable.append(candidate)
+    return Candidates(tuple(usable), tuple(skipped))
 
 
 _POOLS = frozenset(pool.value for pool in Pool)
