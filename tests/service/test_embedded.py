@@ -243,3 +243,100 @@ def test_servers_die_with_a_parent_that_is_killed(nats_dir: Path, pg_dir: Path) 
 
 def test_free_port_returns_a_bindable_port() -> None:
     assert port_is_free(free_port())
+
+
+def wait_dead(server: EmbeddedNats | EmbeddedPostgres, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.returncode is None:
+        assert time.monotonic() < deadline, "the server did not die"
+        time.sleep(0.02)
+
+
+async def test_a_sigkilled_nats_is_revived_on_the_same_port_with_its_streams(
+    embedded_nats: EmbeddedNats,
+) -> None:
+    url = await asyncio.to_thread(embedded_nats.start)
+    client = await nats.connect(url)
+    try:
+        await client.jetstream().add_stream(name="KEPT", subjects=["kept.>"])
+        await client.jetstream().publish("kept.a", b"1")
+    finally:
+        await client.close()
+    old_pid = embedded_nats.pid
+    assert old_pid is not None
+
+    embedded_nats.kill(signal.SIGKILL)
+    wait_dead(embedded_nats)
+    assert await asyncio.to_thread(embedded_nats.revive) == url
+
+    assert embedded_nats.pid not in (None, old_pid)
+    assert list(embedded_nats.data_dir.glob("*.ports")) == list(
+        embedded_nats.data_dir.glob(f"*_{embedded_nats.pid}.ports")
+    )
+    client = await nats.connect(url)
+    try:
+        info = await client.jetstream().stream_info("KEPT")
+    finally:
+        await client.close()
+    assert info.state.messages == 1
+
+
+async def test_a_sigkilled_postgres_is_revived_on_the_same_port_with_its_tables(
+    embedded_pg: EmbeddedPostgres,
+) -> None:
+    url = await asyncio.to_thread(embedded_pg.start)
+    connection = await asyncpg.connect(embedded_pg.dsn)
+    try:
+        await connection.execute("CREATE TABLE kept (id int); INSERT INTO kept VALUES (7)")
+    finally:
+        await connection.close()
+    old_pid = embedded_pg.pid
+
+    embedded_pg.kill(signal.SIGKILL)
+    wait_dead(embedded_pg)
+    # The dead server's postmaster.pid is still there, naming it.
+    assert (embedded_pg.pgdata / "postmaster.pid").read_text().split()[0] == str(old_pid)
+    assert await asyncio.to_thread(embedded_pg.revive) == url
+
+    connection = await asyncpg.connect(embedded_pg.dsn)
+    try:
+        assert await connection.fetchval("SELECT id FROM kept") == 7
+    finally:
+        await connection.close()
+
+
+def test_postgres_starts_over_a_stale_postmaster_pid_naming_a_live_process_not_ours(
+    pg_dir: Path,
+) -> None:
+    server = EmbeddedPostgres(pg_dir)
+    try:
+        server.start()
+        server.stop()
+        # A crash left the file behind, and its pid now belongs to an unrelated process.
+        stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            pid_file = server.pgdata / "postmaster.pid"
+            pid_file.write_text(f"{stranger.pid}\n{server.pgdata}\n")
+            os.chmod(pid_file, 0o600)
+
+            server.start()
+
+            assert server.is_running
+        finally:
+            stranger.kill()
+            stranger.wait()
+    finally:
+        server.stop()
+
+
+def test_postgres_refuses_to_start_on_a_data_dir_a_live_postgres_uses(pg_dir: Path) -> None:
+    first = EmbeddedPostgres(pg_dir)
+    second = EmbeddedPostgres(pg_dir)
+    try:
+        first.start()
+        with pytest.raises(EmbeddedServerError, match="already runs on"):
+            second.start()
+        assert first.is_running
+    finally:
+        second.stop()
+        first.stop()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusched.infra.supervisor import ProcessSpec, Supervisor
+from gpusched.infra.supervisor import Backoff, ProcessSpec, RestartPolicy, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,11 +126,11 @@ def test_signalling_or_killing_the_supervisor_leaves_no_child_alive(sig: int) ->
         reaper.wait()
 
 
-def test_a_child_exiting_by_itself_stops_the_others_and_wait_returns_its_code(
+def test_a_one_shot_child_exiting_stops_the_others_and_wait_returns_its_code(
     make_supervisor: Callable[..., Supervisor],
 ) -> None:
     supervisor = make_supervisor(
-        [ProcessSpec("steady", SLEEPER), ProcessSpec("crashing", exits_with(3))]
+        [ProcessSpec("steady", SLEEPER), ProcessSpec("crashing", exits_with(3), restart=False)]
     )
     supervisor.start()
     steady = supervisor.pid("steady")
@@ -141,10 +141,12 @@ def test_a_child_exiting_by_itself_stops_the_others_and_wait_returns_its_code(
     assert supervisor.pids == {}
 
 
-def test_a_child_killed_by_a_signal_makes_wait_return_128_plus_the_signal(
+def test_a_one_shot_child_killed_by_a_signal_makes_wait_return_128_plus_the_signal(
     make_supervisor: Callable[..., Supervisor],
 ) -> None:
-    supervisor = make_supervisor([ProcessSpec("a", SLEEPER), ProcessSpec("b", SLEEPER)])
+    supervisor = make_supervisor(
+        [ProcessSpec("a", SLEEPER), ProcessSpec("b", SLEEPER, restart=False)]
+    )
     supervisor.start()
     supervisor.kill("b", signal.SIGKILL)
 
@@ -189,7 +191,9 @@ def test_output_goes_to_one_log_file_per_process_when_a_log_dir_is_given(
     make_supervisor: Callable[..., Supervisor], tmp_path: Path
 ) -> None:
     talker = [sys.executable, "-c", "import sys; print('to out'); print('to err', file=sys.stderr)"]
-    supervisor = make_supervisor([ProcessSpec("talker", talker)], log_dir=tmp_path / "logs")
+    supervisor = make_supervisor(
+        [ProcessSpec("talker", talker, restart=False)], log_dir=tmp_path / "logs"
+    )
     supervisor.start()
 
     assert supervisor.wait() == 0
@@ -203,8 +207,135 @@ def test_output_goes_to_one_log_file_per_process_when_a_log_dir_is_given(
 def test_children_get_the_given_environment_on_top_of_ours(tmp_path: Path) -> None:
     output = io.StringIO()
     show = [sys.executable, "-c", "import os; print(os.environ['GREETING'], 'PATH' in os.environ)"]
-    supervisor = Supervisor([ProcessSpec("env", show)], env={"GREETING": "hi"}, output=output)
+    supervisor = Supervisor(
+        [ProcessSpec("env", show, restart=False)], env={"GREETING": "hi"}, output=output
+    )
     supervisor.start()
 
     assert supervisor.wait() == 0
     assert output.getvalue() == "[env] hi True\n"
+
+
+FAST = RestartPolicy(
+    first_backoff_s=0.2, max_backoff_s=1.0, stable_after_s=5.0, crash_loop_exits=3,
+    crash_loop_window_s=30.0,
+)  # fmt: skip
+
+
+def test_a_killed_child_is_restarted_and_the_others_keep_running(
+    make_supervisor: Callable[..., Supervisor], caplog: pytest.LogCaptureFixture
+) -> None:
+    supervisor = make_supervisor(
+        [ProcessSpec("a", SLEEPER), ProcessSpec("b", SLEEPER)], policy=FAST
+    )
+    supervisor.start()
+    first, other = supervisor.pid("a"), supervisor.pid("b")
+
+    with caplog.at_level("WARNING", logger="gpusched.infra.supervisor"):
+        supervisor.kill("a")
+        assert eventually(lambda: supervisor.restarts("a") == 1)
+
+    second = supervisor.pid("a")
+    assert second != first and process_alive(second)
+    assert supervisor.pid("b") == other and process_alive(other)
+    assert supervisor.restarts("b") == 0
+    restart_lines = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+    assert restart_lines == [
+        f"process 'a' (pid {first}) exited with signal SIGKILL; restarting it in 0.2s (restart 1)"
+    ]
+
+
+def test_restarts_back_off_doubling_up_to_the_longest_wait() -> None:
+    backoff = Backoff(RestartPolicy(first_backoff_s=0.5, max_backoff_s=4.0, crash_loop_exits=100))
+    delays = [backoff.on_exit(now=float(t), started_at=float(t)) for t in range(7)]
+
+    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+
+
+def test_a_child_that_ran_stably_starts_over_at_the_first_backoff() -> None:
+    backoff = Backoff(RestartPolicy(first_backoff_s=0.5, stable_after_s=60.0))
+    assert backoff.on_exit(now=1.0, started_at=0.0) == 0.5
+    assert backoff.on_exit(now=3.0, started_at=2.0) == 1.0
+
+    assert backoff.on_exit(now=100.0, started_at=10.0) == 0.5
+
+
+def test_more_exits_than_allowed_within_the_window_is_a_crash_loop() -> None:
+    backoff = Backoff(RestartPolicy(crash_loop_exits=5, crash_loop_window_s=60.0))
+    delays = [backoff.on_exit(now=float(t), started_at=float(t)) for t in range(6)]
+
+    assert None not in delays[:5] and delays[5] is None
+    # Exits spread out beyond the window are no loop.
+    spread = Backoff(RestartPolicy(crash_loop_exits=5, crash_loop_window_s=60.0))
+    assert None not in [spread.on_exit(now=t * 20.0, started_at=t * 20.0) for t in range(10)]
+
+
+def test_the_restart_waits_out_the_backoff(
+    make_supervisor: Callable[..., Supervisor],
+) -> None:
+    policy = RestartPolicy(first_backoff_s=1.5, crash_loop_exits=10)
+    supervisor = make_supervisor([ProcessSpec("a", SLEEPER)], policy=policy)
+    supervisor.start()
+    supervisor.kill("a")
+    killed = time.monotonic()
+
+    assert eventually(lambda: supervisor.restarts("a") == 1)
+
+    assert time.monotonic() - killed >= 1.4
+
+
+def test_a_crash_looping_child_is_given_up_on_loudly_and_everything_stops(
+    make_supervisor: Callable[..., Supervisor],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    supervisor = make_supervisor(
+        [ProcessSpec("steady", SLEEPER), ProcessSpec("broken", exits_with(1, after_s=0.05))],
+        log_dir=tmp_path / "logs",
+        policy=FAST,
+    )
+    supervisor.start()
+    steady = supervisor.pid("steady")
+
+    started = time.monotonic()
+    with caplog.at_level("ERROR", logger="gpusched.infra.supervisor"):
+        assert supervisor.wait() == 1
+
+    assert time.monotonic() - started < 20
+    assert supervisor.restarts("broken") == FAST.crash_loop_exits
+    assert not process_alive(steady)
+    assert supervisor.pids == {}
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, errors
+    assert "'broken' is crash-looping" in errors[0]
+    assert str(tmp_path / "logs" / "broken.log") in errors[0]
+    assert supervisor.failure is not None and "'broken'" in supervisor.failure
+
+
+def test_a_clean_stop_stops_every_child_and_restarts_none(
+    make_supervisor: Callable[..., Supervisor],
+) -> None:
+    supervisor = make_supervisor([ProcessSpec("a", SLEEPER), ProcessSpec("b", SLEEPER)])
+    supervisor.start()
+    pids = list(supervisor.pids.values())
+
+    supervisor.stop()
+    time.sleep(1.0)  # longer than the first backoff: a restart would have happened
+
+    assert not any(map(process_alive, pids))
+    assert supervisor.pids == {}
+    assert supervisor.restarts("a") == supervisor.restarts("b") == 0
+
+
+def test_kills_on_request_are_restarted_but_never_count_as_a_crash_loop(
+    make_supervisor: Callable[..., Supervisor],
+) -> None:
+    supervisor = make_supervisor([ProcessSpec("a", SLEEPER)], policy=FAST)
+    supervisor.start()
+
+    for round_ in range(1, FAST.crash_loop_exits + 3):
+        supervisor.kill("a")
+        assert eventually(lambda n=round_: supervisor.restarts("a") == n)
+
+    assert supervisor.failure is None
+    assert process_alive(supervisor.pid("a"))

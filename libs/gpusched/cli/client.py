@@ -1,22 +1,196 @@
-"""A small client of the request/reply API, for the CLI, the demo and the tests."""
+"""A small client of the request/reply API, for the CLI, the demo and the tests.
+
+Everything here fails fast and in words: a server that cannot be reached is an
+`Unreachable` error naming the URL tried and what to check, within a few seconds, never
+an endless reconnect; a request nobody answers in time is an `ApiError` saying so.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from types import TracebackType
 from typing import Any, Self
 
 import nats
 from nats.aio.client import Client as NatsClient
 
+from gpusched.cli.stackfile import StackFileError, read_stack_file, stack_file_path
 from gpusched.contracts.messages import GetJob, GetReply, SubmitJob, SubmitReply
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import tracing
+from gpusched.infra.settings import Settings
+
+CONNECT_TIMEOUT_S = 2.0
+# The exit codes of the CLI: 2 for what the caller must fix (no URL known), 3 when the
+# stack cannot be reached or does not answer.
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
 
 
-class ApiError(RuntimeError):
+class CliError(RuntimeError):
+    """A failure the CLI reports as one line and an exit code; no traceback."""
+
+    exit_code = 1
+
+
+class ApiError(CliError):
     pass
+
+
+class NoAnswer(ApiError):
+    """Nobody answered a request in time (the stack is down or overloaded)."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+class Unreachable(CliError):
+    exit_code = EXIT_UNREACHABLE
+
+    def __init__(self, server: str, url: str, reason: str, hint: str) -> None:
+        super().__init__(f"cannot reach {server} at {url} ({reason}). {hint}")
+        self.server = server
+        self.url = url
+
+
+class NotConfigured(CliError):
+    exit_code = EXIT_USAGE
+
+
+def stack_settings(settings: Settings | None = None) -> Settings:
+    """The settings with the stack's URLs: from GPUSCHED_NATS_URL / GPUSCHED_DATABASE_URL
+    when set, else from the stack file of GPUSCHED_DATA_DIR (what `gpusched up` wrote)."""
+    settings = settings if settings is not None else Settings()
+    if settings.nats_url and settings.database_url:
+        return settings
+    try:
+        found = read_stack_file(settings.data_dir)
+    except StackFileError as exc:
+        raise NotConfigured(str(exc)) from exc
+    if found is None:
+        return settings
+    update: dict[str, Any] = {}
+    if not settings.nats_url and found.nats_url:
+        update["nats_url"] = found.nats_url
+    if not settings.database_url and found.database_url:
+        update["database_url"] = found.database_url
+    if "subject_prefix" not in settings.model_fields_set:
+        update["subject_prefix"] = found.subject_prefix
+    return settings.model_copy(update=update)
+
+
+def require_nats_url(settings: Settings) -> str:
+    if settings.nats_url:
+        return settings.nats_url
+    raise NotConfigured(
+        f"no stack found: GPUSCHED_NATS_URL is not set and there is no stack file at "
+        f"{stack_file_path(settings.data_dir)}. Start the stack with `gpusched up` (or set "
+        "GPUSCHED_DATA_DIR to its data dir), or set GPUSCHED_NATS_URL."
+    )
+
+
+def require_database_url(settings: Settings) -> str:
+    if settings.database_url:
+        return settings.database_url
+    raise NotConfigured(
+        f"no stack found: GPUSCHED_DATABASE_URL is not set and there is no stack file at "
+        f"{stack_file_path(settings.data_dir)}. Start the stack with `gpusched up`, or set "
+        "GPUSCHED_DATABASE_URL."
+    )
+
+
+def _reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no answer"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return f"no answer within {CONNECT_TIMEOUT_S:.0f}s"
+    if isinstance(exc, socket.gaierror):
+        return "unknown host"
+    text = str(exc).strip()
+    return text or type(exc).__name__
+
+
+NATS_HINT = "Is the stack up? Start it with `gpusched up`, or set GPUSCHED_NATS_URL."
+POSTGRES_HINT = "Is the stack up? Start it with `gpusched up`, or set GPUSCHED_DATABASE_URL."
+
+
+async def connect_nats(
+    url: str, name: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = NATS_HINT
+) -> NatsClient:
+    """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails.
+
+    The connection does reconnect later if it drops (a short outage of the server), but
+    the first connect is never retried: a wrong URL must fail now, not in minutes.
+    """
+    errors: list[BaseException] = []
+
+    async def note(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = NatsClient()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                url,
+                name=name,
+                connect_timeout=max(1, round(timeout_s)),
+                # One attempt per server: nats-py retries the initial connect forever with
+                # max_reconnect_attempts <= 0, and a refused connect must fail at once.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                error_cb=note,
+            ),
+            timeout=timeout_s + 1.0,
+        )
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        cause = errors[-1] if errors else exc
+        if isinstance(exc, TimeoutError) and not errors:
+            cause = exc
+        raise Unreachable("NATS", url, _reason(cause), hint) from None
+    finally:
+        if not nc.is_connected:
+            await _quietly_close(nc)
+    return nc
+
+
+async def _quietly_close(nc: NatsClient) -> None:
+    # A client that never connected (or is closing anyway) has nothing to lose.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), timeout=1.0)
+
+
+async def check_postgres(
+    url: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = POSTGRES_HINT
+) -> None:
+    """One bounded connect and `SELECT 1`; Unreachable (one line) if that fails."""
+    import asyncpg
+
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    shown = _without_password(dsn)
+    try:
+        connection = await asyncio.wait_for(asyncpg.connect(dsn, timeout=timeout_s), timeout_s + 1)
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise Unreachable("PostgreSQL", shown, _reason(exc), hint) from None
+    try:
+        await asyncio.wait_for(connection.fetchval("SELECT 1"), timeout_s)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise Unreachable("PostgreSQL", shown, _reason(exc), hint) from None
+    finally:
+        connection.terminate()
+
+
+def _without_password(dsn: str) -> str:
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 class ApiClient:
@@ -26,15 +200,21 @@ class ApiClient:
         self.timeout_s = timeout_s
         self._nc: NatsClient | None = None
 
+    @classmethod
+    def for_stack(cls, settings: Settings | None = None, timeout_s: float = 10.0) -> ApiClient:
+        """A client of the stack the environment names (env vars, else the stack file)."""
+        resolved = stack_settings(settings)
+        return cls(require_nats_url(resolved), resolved.subject_prefix, timeout_s)
+
     async def __aenter__(self) -> Self:
-        self._nc = await nats.connect(self.nats_url, name="gpusched-cli", connect_timeout=5)
+        self._nc = await connect_nats(self.nats_url, "gpusched-cli")
         return self
 
     async def __aexit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._nc is not None:
-            await self._nc.close()
+            await _quietly_close(self._nc)
 
     @property
     def nc(self) -> NatsClient:
@@ -47,9 +227,14 @@ class ApiClient:
                 subject, body, timeout=self.timeout_s, headers=tracing.inject() or None
             )
         except nats.errors.NoRespondersError as exc:
-            raise ApiError(f"no service answers on {subject}: is the stack running?") from exc
+            raise NoAnswer(
+                f"no service answers on {subject}: is the stack up (`gpusched up`)?"
+            ) from exc
         except nats.errors.TimeoutError as exc:
-            raise ApiError(f"no reply on {subject} within {self.timeout_s}s") from exc
+            raise NoAnswer(
+                f"no answer on {subject} within {self.timeout_s:g}s: the service may be "
+                "restarting or overloaded; try again, or see its log"
+            ) from exc
         return bytes(msg.data)
 
     async def wait_until_serving(self, within_s: float = 60.0) -> None:
@@ -83,3 +268,18 @@ class ApiClient:
         reply = json.loads(raw)
         assert isinstance(reply, dict)
         return reply
+
+
+__all__ = [
+    "ApiClient",
+    "ApiError",
+    "CliError",
+    "NoAnswer",
+    "NotConfigured",
+    "Unreachable",
+    "check_postgres",
+    "connect_nats",
+    "require_database_url",
+    "require_nats_url",
+    "stack_settings",
+]

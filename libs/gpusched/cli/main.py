@@ -1,7 +1,8 @@
 """`gpusched`: run the control plane and talk to it.
 
 gpusched up                 embedded NATS + PostgreSQL (unless GPUSCHED_NATS_URL /
-                            GPUSCHED_DATABASE_URL are set), every service as a process
+                            GPUSCHED_DATABASE_URL are set), every service as a process,
+                            all restarted if they die; writes <data dir>/stack.json
 gpusched demo               `up` plus a scripted inference surge, as a timeline
 gpusched service NAME       run one service (what containers run)
 gpusched migrate            create streams and run every service's migrations
@@ -13,6 +14,11 @@ gpusched node VERB ...      add|reload|drain|undrain|fail|recover|remove|list GP
 gpusched scale JOB_ID N     set an inference service's replica target
 gpusched bill [--team T]    billing statements per team
 gpusched audit [--follow]   the audit stream
+
+Commands that talk to the stack find it through GPUSCHED_NATS_URL, else through the
+stack file `gpusched up` wrote in GPUSCHED_DATA_DIR (default .gpusched). They fail within
+seconds, in one line, when it cannot be reached (exit code 3; 2 when no stack is known).
+`--debug` (or GPUSCHED_DEBUG=1) shows the traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -23,14 +29,24 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from gpusched.cli import cancel, nodes, replicas
-from gpusched.cli.client import ApiClient, ApiError
-from gpusched.cli.stack import SERVICES, Stack, prepare
+from gpusched.cli.client import (
+    ApiClient,
+    CliError,
+    connect_nats,
+    require_database_url,
+    require_nats_url,
+    stack_settings,
+)
+from gpusched.cli.stack import SERVICES, Stack, StackNotReady, StackRunning, prepare
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import (
     ApproveJob,
@@ -52,16 +68,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    code: int = args.run(args)
+    if args.command == "service":
+        # A service process: its log keeps the full traceback of a crash.
+        code: int = args.run(args)
+        return code
+    debug = args.debug or os.environ.get("GPUSCHED_DEBUG", "") not in ("", "0")
+    try:
+        code = args.run(args)
+    except CliError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"gpusched: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        # Users never see a traceback unless they ask for one.
+        if debug:
+            traceback.print_exc()
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            print(
+                f"gpusched: unexpected error: {type(exc).__name__}"
+                + (f": {first}" if first else "")
+                + " (run with --debug or GPUSCHED_DEBUG=1 for the traceback)",
+                file=sys.stderr,
+            )
+        return 1
     return code
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpusched", description=__doc__.split("\n\n")[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also GPUSCHED_DEBUG=1)")
     sub = p.add_subparsers(dest="command")
 
     up = sub.add_parser("up", help="run NATS, PostgreSQL and every service")
     up.add_argument("--log-dir", help="write each service's output to LOG_DIR/<service>.log")
+    up.add_argument(
+        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
+    )
     up.set_defaults(run=_up)
 
     demo = sub.add_parser("demo", help="run the stack and play an inference surge")
@@ -133,15 +179,47 @@ def _logging(settings: Settings) -> None:
 def _up(args: argparse.Namespace) -> int:
     settings = Settings()
     _logging(settings)
+    # Each migration's INFO lines say nothing an operator needs at every start.
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.root.level))
     stack = Stack(settings, log_dir=None if args.log_dir is None else Path(args.log_dir))
-    resolved = stack.start()
-    print(f"gpusched is up: NATS {resolved.nats_url}, PostgreSQL {resolved.database_url}")
-    print("Ctrl-C stops every service and server.")
+    # Until the supervisor's own handlers take over in wait(), SIGTERM stops the start
+    # the way Ctrl-C does (KeyboardInterrupt), so the cleanup below still runs.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    ready = False
     try:
-        assert stack.supervisor is not None
-        return stack.supervisor.wait()
+        try:
+            stack.claim()
+        except StackRunning as exc:
+            print(f"gpusched: {exc}", file=sys.stderr)
+            return 1
+        print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
+        resolved = stack.start()
+        try:
+            asyncio.run(stack.wait_until_ready(args.ready_timeout))
+        except StackNotReady as exc:
+            print(f"gpusched: {exc}", file=sys.stderr)
+            return 1
+        ready = True
+        print(
+            f"gpusched is up and ready: NATS {resolved.nats_url}, "
+            f"PostgreSQL {resolved.database_url}"
+        )
+        print(f"stack file: {stack.stack_file} (the CLI reads it; no URL to export)")
+        print("Crashed services and servers are restarted. Ctrl-C stops everything.", flush=True)
+        code = stack.wait()
+        if stack.failure is not None:
+            print(f"gpusched: {stack.failure}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        # A stop request once the stack served is a clean stop; before, an interrupted start.
+        return 0 if ready else 130
     finally:
         stack.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -157,18 +235,13 @@ def _service(args: argparse.Namespace) -> int:
 
 
 def _migrate(_: argparse.Namespace) -> int:
-    settings = Settings()
-    settings.require_urls()
+    settings = stack_settings()
+    require_database_url(settings)
+    require_nats_url(settings)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     asyncio.run(prepare(settings))
     print("streams and migrations are up to date")
     return 0
-
-
-def _nats_url(settings: Settings) -> str:
-    if not settings.nats_url:
-        print("set GPUSCHED_NATS_URL to the NATS of a running stack", file=sys.stderr)
-        raise SystemExit(2)
-    return settings.nats_url
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -186,7 +259,7 @@ def _submit(args: argparse.Namespace) -> int:
     )
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             reply = await api.submit(job)
         print(reply.model_dump_json(indent=2, exclude_none=True))
         return 0 if reply.ok else 1
@@ -198,7 +271,7 @@ def _get(args: argparse.Namespace) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             reply = await api.get(args.job_id)
         print(reply.model_dump_json(indent=2, exclude_none=True))
         return 0 if reply.ok else 1
@@ -210,7 +283,7 @@ def _why(args: argparse.Namespace) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             body = WhyJob(job_id=args.job_id).model_dump_json().encode()
             reply = WhyReply.model_validate_json(await api.request(api.subjects.api_jobs_why, body))
         if not reply.ok:
@@ -228,7 +301,7 @@ def _approve(args: argparse.Namespace) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             body = ApproveJob(job_id=args.job_id, operator=args.operator, reason=args.reason)
             raw = await api.request(api.subjects.api_jobs_approve, body.model_dump_json().encode())
         reply = ApproveReply.model_validate_json(raw)
@@ -242,7 +315,7 @@ def _bill(args: argparse.Namespace) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             reply = await api.call("api.billing.statement", {"team": args.team})
         if not reply.get("ok"):
             print(json.dumps(reply, indent=2), file=sys.stderr)
@@ -264,11 +337,11 @@ def _audit(args: argparse.Namespace) -> int:
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    settings = Settings()
+    settings = stack_settings()
     subjects = Subjects(settings.subject_prefix)
 
     async def go() -> int:
-        nc = await nats.connect(_nats_url(settings))
+        nc = await connect_nats(require_nats_url(settings), "gpusched-audit")
         try:
             js = nc.jetstream()
             sub = await js.subscribe(
@@ -294,13 +367,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _api_call(go: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    try:
-        return asyncio.run(go())
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    """Run one command's coroutine; its CliError reaches main() as one line."""
+    return asyncio.run(go())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from gpusched.cli.client import ApiClient, ApiError
+from gpusched.cli.client import ApiClient
 from gpusched.contracts.envelope import make_envelope
 from gpusched.contracts.messages import (
     AddNode,
@@ -127,7 +127,7 @@ def _ask(verb: NodeVerb, request: Wire, *, table: bool = False) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             body = request.model_dump_json().encode()
             raw = await api.request(api.subjects.api_nodes(verb), body)
         reply = NodeReply.model_validate_json(raw)
@@ -153,7 +153,7 @@ def _tell_agent(node: str, *, healthy: bool, reason: str) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient(_nats_url(settings), settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             command = SetNodeHealth(node=node, healthy=healthy, reason=reason)
             envelope = make_envelope(SIM_NODE_HEALTH, command, source="cli")
             await api.nc.jetstream().publish(
@@ -165,16 +165,6 @@ def _tell_agent(node: str, *, healthy: bool, reason: str) -> int:
     return _run(go)
 
 
-def _nats_url(settings: Settings) -> str:
-    if not settings.nats_url:
-        print("set GPUSCHED_NATS_URL to the NATS of a running stack", file=sys.stderr)
-        raise SystemExit(2)
-    return settings.nats_url
-
-
 def _run(go: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    try:
-        return asyncio.run(go())
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    """Run one command's coroutine; its CliError reaches main() as one line."""
+    return asyncio.run(go())

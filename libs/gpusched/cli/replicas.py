@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from typing import Any
 
-from gpusched.cli.client import ApiClient, ApiError
+from gpusched.cli.client import ApiClient
 from gpusched.contracts.messages import Replicas, ScaleJob, ScaleReply
 from gpusched.infra.settings import Settings
 
@@ -30,13 +29,9 @@ def parse_range(text: str) -> Replicas:
 
 def _scale(args: argparse.Namespace) -> int:
     settings = Settings()
-    if not settings.nats_url:
-        print("set GPUSCHED_NATS_URL to the NATS of a running stack", file=sys.stderr)
-        return 2
-    nats_url = settings.nats_url
 
     async def go() -> int:
-        async with ApiClient(nats_url, settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             body = ScaleJob(job_id=args.job_id, replicas=args.replicas).model_dump_json().encode()
             reply = ScaleReply.model_validate_json(
                 await api.request(api.subjects.api_jobs_scale, body)
@@ -44,8 +39,5 @@ def _scale(args: argparse.Namespace) -> int:
         print(reply.model_dump_json(indent=2, exclude_none=True))
         return 0 if reply.ok else 1
 
-    try:
-        return asyncio.run(go())
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    # A CliError (unreachable, no answer) reaches main() and is printed as one line.
+    return asyncio.run(go())

@@ -2,6 +2,15 @@
 
 `gpusched up`, `gpusched demo` and the end-to-end tests use this. With
 GPUSCHED_NATS_URL / GPUSCHED_DATABASE_URL set it starts no servers and uses those.
+
+While it runs, nothing stops it but stop(): a service that dies is restarted by the
+Supervisor, an embedded server that dies is restarted here, on the same port with its
+data (clients keep their URL; services reconnect by themselves). Either is given up on
+only in a crash loop, loudly, and then everything stops. The ports are chosen once per
+data dir and kept in its stack file (see stackfile), which the CLI reads.
+
+For fault injection: `kill(name)` sends SIGKILL (or any signal) to a service, "nats" or
+"postgres"; `restarts(name)` counts how often each came back.
 """
 
 from __future__ import annotations
@@ -9,25 +18,63 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
+import signal
+import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from gpusched.cli.client import check_postgres, connect_nats
+from gpusched.cli.stackfile import (
+    StackFile,
+    StackFileError,
+    StackLock,
+    StackRunning,
+    read_stack_file,
+    stack_file_path,
+    write_stack_file,
+)
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import bus
 from gpusched.infra.db import create_engine
-from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port
 from gpusched.infra.migrations import migrate, migrations_dir
 from gpusched.infra.settings import Settings
-from gpusched.infra.supervisor import ProcessSpec, Supervisor
+from gpusched.infra.supervisor import (
+    Backoff,
+    ProcessSpec,
+    RestartPolicy,
+    Supervisor,
+    describe_exit,
+)
+
+__all__ = [
+    "SERVERS",
+    "SERVICES",
+    "Stack",
+    "StackNotReady",
+    "StackRunning",
+    "prepare",
+    "service_migrations",
+]
 
 log = logging.getLogger(__name__)
 
 # Start order matters little (every service waits on durable consumers), but the
 # ledger owner first lets the others see the inventory event at once.
 SERVICES: tuple[str, ...] = ("admission", "ingest", "preemption", "checkpoint", "billing", "agent")
+# The embedded servers, by the names kill()/restarts()/pid() take.
+SERVERS: tuple[str, ...] = ("nats", "postgres")
+_WATCH_S = 0.2
+
+
+class StackNotReady(RuntimeError):
+    """The stack did not become ready in time; the message says what is missing."""
 
 
 def service_migrations(service: str) -> Path | None:
@@ -38,9 +85,14 @@ def service_migrations(service: str) -> Path | None:
 
 
 async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> None:
-    """Create the streams and run every service's migrations (idempotent)."""
+    """Create the streams and run every service's migrations (idempotent).
+
+    Both servers are checked first with a short bound, so a wrong URL is one clear
+    error (client.Unreachable) within seconds, not a retry loop.
+    """
     nats_url, db_url = settings.require_urls()
-    nc = await bus.connect(nats_url, "gpusched-prepare")
+    await check_postgres(db_url)
+    nc = await connect_nats(nats_url, "gpusched-prepare")
     try:
         await bus.ensure_streams(
             nc.jetstream(),
@@ -59,50 +111,372 @@ async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> Non
         await engine.dispose()
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port(watched: _Watched | None) -> int | None:
+    """The server's port, or None if it never got one (it failed to start)."""
+    if watched is None:
+        return None
+    try:
+        return watched.server.port
+    except EmbeddedServerError:
+        return None
+
+
+def _monitor_port(watched: _Watched | None) -> int | None:
+    if watched is None or not isinstance(watched.server, EmbeddedNats):
+        return None
+    try:
+        return int(watched.server.monitor_url.rsplit(":", 1)[1])
+    except EmbeddedServerError:
+        return None
+
+
+@dataclass
+class _Watched:
+    """An embedded server under watch: its restart schedule and count."""
+
+    server: EmbeddedNats | EmbeddedPostgres
+    backoff: Backoff
+    started_at: float = field(default_factory=time.monotonic)
+    due: float | None = None
+    restarts: int = 0
+    # Its next exit was caused by kill(): restarted, but no crash (see Supervisor.kill).
+    killed: bool = False
+
+
 @dataclass
 class Stack:
-    """Servers (unless external) plus one process per service."""
+    """Servers (unless external) plus one process per service, kept up until stop()."""
 
     settings: Settings
     services: Sequence[str] = SERVICES
     env: Mapping[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     output: TextIO | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     supervisor: Supervisor | None = field(default=None, init=False)
-    _servers: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list, init=False)
+    _servers: dict[str, _Watched] = field(default_factory=dict, init=False)
+    _lock: StackLock | None = field(default=None, init=False)
+    _watcher: threading.Thread | None = field(default=None, init=False)
+    _closing: threading.Event = field(default_factory=threading.Event, init=False)
+    _written_pids: dict[str, int] = field(default_factory=dict, init=False)
+    _failure: str | None = field(default=None, init=False)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.settings.data_dir.resolve()
+
+    @property
+    def stack_file(self) -> Path:
+        return stack_file_path(self.data_dir)
 
     def start(self) -> Settings:
-        """Start everything; returns the settings with the resolved server URLs."""
-        data_dir = self.settings.data_dir.resolve()
+        """Start everything; returns the settings with the resolved server URLs.
+
+        Raises StackRunning if another process runs a stack on the same data dir.
+        """
+        self.claim()
+        data_dir = self.data_dir
         nats_url, db_url = self.settings.nats_url, self.settings.database_url
         try:
+            previous = self._previous()
             if not nats_url:
-                nats = EmbeddedNats(data_dir / "nats")
+                nats = EmbeddedNats(
+                    data_dir / "nats",
+                    self._reuse(previous.nats_port, "NATS"),
+                    monitor_port=self._reuse(previous.nats_monitor_port, "NATS monitoring"),
+                )
+                self._servers["nats"] = _Watched(nats, Backoff(self.policy))
                 nats_url = nats.start()
-                self._servers.append(nats)
                 log.info("embedded NATS at %s", nats_url)
             if not db_url:
-                pg = EmbeddedPostgres(data_dir / "postgres")
+                pg = EmbeddedPostgres(
+                    data_dir / "postgres", self._reuse(previous.postgres_port, "PostgreSQL")
+                )
+                self._servers["postgres"] = _Watched(pg, Backoff(self.policy))
                 pg.start()
-                self._servers.append(pg)
                 db_url = pg.create_database("gpusched")
                 log.info("embedded PostgreSQL at %s", db_url)
             self.settings = self.settings.model_copy(
                 update={"nats_url": nats_url, "database_url": db_url}
             )
+            self._write_stack_file(running=True)
             asyncio.run(prepare(self.settings, self.services))
             self.supervisor = Supervisor(
                 [self._spec(name) for name in self.services],
                 env=self._child_env(),
                 log_dir=self.log_dir,
                 output=self.output,
+                policy=self.policy,
             )
             self.supervisor.start()
+            self._write_stack_file(running=True)
+            self._closing.clear()
+            self._watcher = threading.Thread(
+                target=self._watch, name="stack-server-watcher", daemon=True
+            )
+            self._watcher.start()
         except BaseException:
             self.stop()
             raise
         return self.settings
+
+    def claim(self) -> None:
+        """Take the data dir for this stack (start() does it too); StackRunning if another
+        process runs a stack there."""
+        if self._lock is None or not self._lock.held:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = StackLock(self.data_dir)
+            self._lock.acquire()
+
+    def wait(self) -> int:
+        """Block until SIGINT/SIGTERM or a crash loop (see Supervisor.wait); then stop all."""
+        assert self.supervisor is not None, "Stack.wait() before start()"
+        try:
+            return self.supervisor.wait()
+        finally:
+            self.stop()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the stack gave up by itself (a crash loop), if it did."""
+        if self._failure is not None:
+            return self._failure
+        return None if self.supervisor is None else self.supervisor.failure
+
+    # -- fault injection and observation -----------------------------------------
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to a service, "nats" or "postgres"; what dies is restarted (such an
+        exit never counts toward a crash loop)."""
+        if name in self._servers:
+            watched = self._servers[name]
+            watched.killed = True
+            watched.server.kill(sig)
+            return
+        if self.supervisor is None:
+            raise KeyError(f"no running process named {name!r}")
+        self.supervisor.kill(name, sig)
+
+    def restarts(self, name: str) -> int:
+        """How often `name` (a service, "nats" or "postgres") was restarted after dying."""
+        if name in self._servers:
+            return self._servers[name].restarts
+        if self.supervisor is None:
+            raise KeyError(f"no process named {name!r}")
+        return self.supervisor.restarts(name)
+
+    def pid(self, name: str) -> int | None:
+        """The pid of a service or server (None for a server that is down)."""
+        if name in self._servers:
+            return self._servers[name].server.pid
+        if self.supervisor is None:
+            raise KeyError(f"no process named {name!r}")
+        return self.supervisor.pid(name)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        pids = {} if self.supervisor is None else dict(self.supervisor.pids)
+        for name, watched in self._servers.items():
+            if watched.server.pid is not None:
+                pids[name] = watched.server.pid
+        return pids
+
+    def server_log(self, name: str) -> Path:
+        return self._servers[name].server.log_path
+
+    # -- readiness -----------------------------------------------------------------
+
+    async def wait_until_ready(self, timeout_s: float = 120.0) -> None:
+        """Return once both servers answer and every service is up and serving.
+
+        A service counts as serving once its process runs and one of its durable
+        consumers (named `<service>-...`) has a pull request waiting, i.e. its consume
+        loop runs; admission must also answer a request. StackNotReady says what is
+        missing after `timeout_s`.
+        """
+        assert self.settings.nats_url and self.settings.database_url
+        assert self.supervisor is not None, "Stack.wait_until_ready() before start()"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        fetching: set[str] = set()
+        missing: list[str] = []
+        while True:
+            if self.failure is not None:
+                raise StackNotReady(self.failure)
+            missing = await self._not_ready(fetching)
+            if not missing:
+                return
+            if loop.time() > deadline:
+                raise StackNotReady(
+                    f"the stack is not ready after {timeout_s:.0f}s: {'; '.join(missing)}"
+                    + (f" (logs in {self.log_dir})" if self.log_dir is not None else "")
+                )
+            await asyncio.sleep(0.3)
+
+    async def _not_ready(self, fetching: set[str]) -> list[str]:
+        assert self.settings.nats_url and self.settings.database_url
+        assert self.supervisor is not None
+        from gpusched.cli.client import ApiClient, CliError
+
+        missing: list[str] = []
+        try:
+            await check_postgres(self.settings.database_url)
+        except CliError as exc:
+            missing.append(str(exc))
+        for service in self.services:
+            if self.supervisor.returncode(service) is not None:
+                missing.append(f"{service} is not running")
+        try:
+            nc = await connect_nats(self.settings.nats_url, "gpusched-ready")
+        except CliError as exc:
+            return [*missing, str(exc)]
+        try:
+            js = nc.jetstream()
+            for stream in Subjects(self.settings.subject_prefix).streams():
+                try:
+                    consumers = await js.consumers_info(stream.name)
+                except Exception:
+                    continue
+                for consumer in consumers:
+                    name = consumer.config.durable_name or consumer.name or ""
+                    if (consumer.num_waiting or 0) > 0:
+                        fetching.update(s for s in self.services if name.startswith(f"{s}-"))
+        finally:
+            await nc.close()
+        missing += [f"{s} is not consuming yet" for s in self.services if s not in fetching]
+        if "admission" in self.services and not missing:
+            api = ApiClient(self.settings.nats_url, self.settings.subject_prefix, timeout_s=2.0)
+            try:
+                async with api:
+                    await api.get("job-000000000000")
+            except CliError as exc:
+                missing.append(f"admission does not answer yet ({exc})")
+        return missing
+
+    # -- internals -----------------------------------------------------------------
+
+    def _previous(self) -> StackFile:
+        try:
+            return read_stack_file(self.data_dir) or StackFile()
+        except StackFileError as exc:
+            log.warning("%s; starting afresh", exc)
+            return StackFile()
+
+    def _reuse(self, port: int | None, what: str) -> int | None:
+        """The port this data dir used last time, unless another process took it."""
+        if port is None or _port_free(port):
+            return port
+        log.warning(
+            "port %d of %s (from %s) is taken by another process; choosing another one",
+            port,
+            what,
+            self.stack_file,
+        )
+        return None
+
+    def _write_stack_file(self, *, running: bool) -> None:
+        nats = self._servers.get("nats")
+        pg = self._servers.get("postgres")
+        pids = {"up": os.getpid(), **self.pids} if running else {}
+        content = StackFile(
+            running=running,
+            nats_url=self.settings.nats_url,
+            database_url=self.settings.database_url,
+            subject_prefix=self.settings.subject_prefix,
+            nats_port=_port(nats),
+            nats_monitor_port=_monitor_port(nats),
+            postgres_port=_port(pg),
+            log_dir=None if self.log_dir is None else str(self.log_dir.resolve()),
+            pids=pids,
+        )
+        write_stack_file(self.data_dir, content)
+        self._written_pids = pids
+
+    def _watch(self) -> None:
+        while not self._closing.wait(_WATCH_S):
+            for name, watched in self._servers.items():
+                if self._closing.is_set():
+                    return
+                try:
+                    if not self._keep_up(name, watched, time.monotonic()):
+                        return
+                except Exception:
+                    # The watcher must outlive any one failure, or nothing would come back.
+                    log.exception("watching %s failed; retrying", name)
+            if self.supervisor is not None and not self._closing.is_set():
+                pids = {"up": os.getpid(), **self.pids}
+                if pids != self._written_pids:
+                    try:
+                        self._write_stack_file(running=True)
+                    except OSError as exc:
+                        log.warning("cannot update %s: %s", self.stack_file, exc)
+
+    def _keep_up(self, name: str, watched: _Watched, now: float) -> bool:
+        """Restart `name` if it died and its backoff is over; False once given up on."""
+        server = watched.server
+        if watched.due is None:
+            if server.is_running:
+                return True
+            returncode = server.returncode
+            if watched.killed:
+                watched.killed = False
+                delay: float | None = self.policy.first_backoff_s
+            else:
+                delay = watched.backoff.on_exit(now, watched.started_at)
+            if delay is None:
+                return self._give_up(name, watched)
+            log.warning(
+                "%s (pid %s) exited with %s; restarting it on port %d in %.1fs (restart %d)",
+                name,
+                server.pid,
+                "an unknown status" if returncode is None else describe_exit(returncode),
+                server.port,
+                delay,
+                watched.restarts + 1,
+            )
+            watched.due = now + delay
+            return True
+        if now < watched.due:
+            return True
+        try:
+            server.revive()
+        except EmbeddedServerError as exc:
+            delay = watched.backoff.on_exit(time.monotonic(), now)
+            if delay is None:
+                return self._give_up(name, watched)
+            first_line = str(exc).splitlines()[0]
+            log.error("%s could not be restarted (%s); retrying in %.1fs", name, first_line, delay)
+            watched.due = time.monotonic() + delay
+            return True
+        watched.due = None
+        watched.started_at = time.monotonic()
+        watched.restarts += 1
+        log.warning("%s is back on port %d (pid %s)", name, server.port, server.pid)
+        return True
+
+    def _give_up(self, name: str, watched: _Watched) -> bool:
+        reason = (
+            f"{name} is crash-looping ({watched.backoff.recent_exits} exits within "
+            f"{self.policy.crash_loop_window_s:.0f}s); giving up on it. Its log: "
+            f"{watched.server.log_path}"
+        )
+        self._failure = reason
+        if self.supervisor is not None:
+            self.supervisor.abort(reason)
+        else:
+            log.error("%s", reason)
+        return False
 
     def _spec(self, service: str) -> ProcessSpec:
         return ProcessSpec(service, [sys.executable, "-m", "gpusched.cli.main", "service", service])
@@ -113,9 +487,9 @@ class Stack:
             "GPUSCHED_NATS_URL": self.settings.nats_url,
             "GPUSCHED_DATABASE_URL": self.settings.database_url,
             "GPUSCHED_SUBJECT_PREFIX": self.settings.subject_prefix,
-            "GPUSCHED_DATA_DIR": str(self.settings.data_dir.resolve()),
+            "GPUSCHED_DATA_DIR": str(self.data_dir),
             # The simulated cluster's checkpoints live with the rest of this stack's data.
-            "GPUSCHED_AGENT__WORKDIR": str(self.settings.data_dir.resolve() / "agent"),
+            "GPUSCHED_AGENT__WORKDIR": str(self.data_dir / "agent"),
             **self.env,
         }
         if self.settings.trace_file is not None:
@@ -127,11 +501,24 @@ class Stack:
         return {"GPUSCHED_METRICS_PORT": str(port)}
 
     def stop(self) -> None:
+        """Services first, then the servers they use; idempotent."""
+        self._closing.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join()
         if self.supervisor is not None:
             self.supervisor.stop()
-            self.supervisor = None
-        for server in reversed(self._servers):
-            server.stop()
+        for watched in reversed(list(self._servers.values())):
+            watched.server.stop()
+        lock, self._lock = self._lock, None
+        if lock is not None and lock.held:
+            # Keep the ports for the next start; only "running" and the pids go.
+            if self.settings.nats_url or self._servers:
+                try:
+                    self._write_stack_file(running=False)
+                except OSError as exc:
+                    log.warning("cannot update %s: %s", self.stack_file, exc)
+            lock.release()
         self._servers.clear()
 
     def __enter__(self) -> Stack:

@@ -8,6 +8,10 @@ PostgreSQL refuses to run as root; under root it runs as the system user `gpusch
 created on first use, and the data dir and the path to it are made reachable for it.
 Durability is traded for speed (fsync=off): fine for a dev cluster and tests, never for
 data that matters, which belongs on an external server (GPUSCHED_DATABASE_URL).
+
+A server that died (a crash, `kill -9`) is started again by revive(): on the same port,
+with the same data, after removing what the dead one left behind (PostgreSQL's
+postmaster.pid, NATS's ports file) when it names a process that is gone or not ours.
 """
 
 from __future__ import annotations
@@ -90,6 +94,43 @@ class _ChildServer(abc.ABC):
             raise EmbeddedServerError(f"{type(self).__name__} has not been started")
         return self._port
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code of a server that died under us (None while it runs or if stopped)."""
+        return None if self._process is None else self._process.poll()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the server (fault injection); revive() brings it back."""
+        if self._process is not None:
+            self._process.send_signal(sig)
+
+    def revive(self) -> str:
+        """Start a server that died again, on the port it had and with its data; its URL.
+
+        Clients hold the URL, so the port is kept even if another process took it
+        meanwhile (that is then an error naming the port, not a silent move).
+        """
+        process = self._process
+        if process is not None and process.poll() is None:
+            return self.start()
+        self._forget_dead()
+        requested = self._requested_port
+        if self._port is not None:
+            self._requested_port = self._port
+        try:
+            return self.start()
+        finally:
+            self._requested_port = requested
+
+    def _forget_dead(self) -> None:
+        """Reap a server that exited by itself so start() launches a new one."""
+        process = self._process
+        if process is not None and process.poll() is not None:
+            self._process = None
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
     def stop(self) -> None:
         """Stop the server and reap it; idempotent. Escalates to SIGKILL on a timeout."""
         process, self._process = self._process, None
@@ -142,6 +183,7 @@ class _ChildServer(abc.ABC):
         `ready` must recognise our own process, not merely a server on our port: with
         several servers starting on one machine, another may take the port in between.
         """
+        self._forget_dead()
         if self._process is not None:
             return
         for attempt in range(1, _PORT_ATTEMPTS + 1):
@@ -206,10 +248,26 @@ class EmbeddedNats(_ChildServer):
     def start(self) -> str:
         """Start (no-op if running) and wait until JetStream is ready; the client URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.data_dir.glob("*.ports"):
-            stale.unlink(missing_ok=True)
+        self._remove_stale_ports_files()
         self._launch_until_ready(self._launch, self._ready)
         return self.url
+
+    def revive(self) -> str:
+        requested = self._requested_monitor_port
+        if self._monitor_port is not None:
+            self._requested_monitor_port = self._monitor_port
+        try:
+            return super().revive()
+        finally:
+            self._requested_monitor_port = requested
+
+    def _remove_stale_ports_files(self) -> None:
+        # `<binary>_<pid>.ports`, left behind by a server that was killed. A live server's
+        # file stays: it is how that server is told apart from ours.
+        for ports_file in self.data_dir.glob("*.ports"):
+            pid = ports_file.stem.rpartition("_")[2]
+            if not (pid.isdigit() and _process_alive(int(pid))):
+                ports_file.unlink(missing_ok=True)
 
     def _choose_ports(self, fresh: bool) -> None:
         # No port given: the server picks a free one itself (-1), which no other process
@@ -299,8 +357,29 @@ class EmbeddedPostgres(_ChildServer):
             _open_path_to(self.data_dir)
         if not (self.pgdata / "PG_VERSION").exists():
             self._initdb(account)
+        if self._process is None or self._process.poll() is not None:
+            self._remove_stale_pid_file()
         self._launch_until_ready(lambda log: self._launch(log, account), self._ready)
         return self.url
+
+    def _remove_stale_pid_file(self) -> None:
+        """Remove a postmaster.pid whose server is gone, which would block the start.
+
+        PostgreSQL itself refuses to start while the pid in that file names any live
+        process (a recycled pid, or a killed server's zombie), so the check is ours: the
+        file stays only if its pid is a live postgres on this very data dir.
+        """
+        pid_file = self.pgdata / "postmaster.pid"
+        try:
+            first_line = pid_file.read_text().split("\n", 1)[0].strip()
+        except FileNotFoundError:
+            return
+        pid = int(first_line) if first_line.isdigit() else 0
+        if pid > 0 and _process_alive(pid) and str(self.pgdata) in _command_line(pid):
+            raise EmbeddedServerError(
+                f"PostgreSQL already runs on {self.pgdata} (pid {pid}); stop it first"
+            )
+        pid_file.unlink(missing_ok=True)
 
     def create_database(self, name: str) -> str:
         """Create database `name` unless it exists; its SQLAlchemy URL."""
@@ -390,6 +469,33 @@ class EmbeddedPostgres(_ChildServer):
         except OSError:
             return False
         return len(lines) >= 8 and lines[0] == str(process.pid) and lines[7].strip() == "ready"
+
+
+def _process_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    else:
+        return stat_line.rpartition(")")[2].split()[0] != "Z"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
 def _nats_server_binary() -> Path:

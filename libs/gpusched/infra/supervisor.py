@@ -12,6 +12,12 @@ Two promises hold for every child started here, including the embedded servers:
   and the supervisor decides the shutdown order. For the same reason a child's stdin is
   /dev/null: a background process group reading the terminal would be stopped (SIGTTIN).
 
+A child that dies is restarted, after a backoff that doubles with each exit in a row and
+starts over once the child has run stably (RestartPolicy). A child that keeps dying (a
+crash loop) is given up on loudly: one error naming it and its log, then every child is
+stopped and wait() returns non-zero. Only a clean stop (SIGINT/SIGTERM to us, or stop())
+stops them otherwise.
+
 The module knows nothing of gpusched services: it runs argv lists.
 """
 
@@ -27,14 +33,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, TextIO
 
-__all__ = ["ProcessSpec", "Supervisor", "exit_status", "spawn_bound_child", "terminate"]
+__all__ = [
+    "Backoff",
+    "ProcessSpec",
+    "RestartPolicy",
+    "Supervisor",
+    "describe_exit",
+    "exit_status",
+    "spawn_bound_child",
+    "terminate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +180,68 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def describe_exit(returncode: int) -> str:
+    """`code 3` or `signal SIGKILL`, for one-line log messages."""
+    if returncode >= 0:
+        return f"code {returncode}"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead child comes back, and when it is given up on.
+
+    The first restart waits `first_backoff_s`, each further one twice as long, up to
+    `max_backoff_s`; a child that ran `stable_after_s` before dying starts over at the
+    first backoff. More than `crash_loop_exits` exits within `crash_loop_window_s` is a
+    crash loop: restarting it again would only hide the fault.
+    """
+
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0
+    crash_loop_exits: int = 5
+    crash_loop_window_s: float = 60.0
+
+
+@dataclass
+class Backoff:
+    """The restart schedule of one child under a RestartPolicy; time is passed in."""
+
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    _next_s: float | None = field(default=None, init=False)
+    _exits: deque[float] = field(default_factory=deque, init=False)
+
+    def on_exit(self, now: float, started_at: float) -> float | None:
+        """The delay before restarting a child that started at `started_at` and died at
+        `now`, or None when it is crash-looping."""
+        policy = self.policy
+        if self._next_s is None or now - started_at >= policy.stable_after_s:
+            self._next_s = policy.first_backoff_s
+        self._exits.append(now)
+        while self._exits and self._exits[0] < now - policy.crash_loop_window_s:
+            self._exits.popleft()
+        if len(self._exits) > policy.crash_loop_exits:
+            return None
+        delay = self._next_s
+        self._next_s = min(delay * 2, policy.max_backoff_s)
+        return delay
+
+    @property
+    def recent_exits(self) -> int:
+        return len(self._exits)
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
+    """One child. `restart=False`: its exit ends the whole unit (wait() returns its status)."""
+
     name: str
     argv: Sequence[str]
+    restart: bool = True
 
 
 @dataclass
@@ -176,6 +250,7 @@ class _Child:
     process: subprocess.Popen[bytes]
     log_file: IO[bytes] | None
     pump: threading.Thread | None
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class Supervisor:
@@ -184,6 +259,9 @@ class Supervisor:
     `env` is laid over this process's environment (PYTHONUNBUFFERED=1 is added unless set,
     so prefixed output arrives line by line). Output goes to `<log_dir>/<name>.log`, or,
     without a log_dir, to `output` (default: sys.stdout) with a "[name] " prefix per line.
+
+    From start() until stop(), a watcher thread restarts children that die (see the module
+    docstring), whether or not anyone is in wait().
     """
 
     def __init__(
@@ -193,6 +271,7 @@ class Supervisor:
         log_dir: Path | None = None,
         *,
         output: TextIO | None = None,
+        policy: RestartPolicy | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -203,17 +282,29 @@ class Supervisor:
         self._log_dir = log_dir
         self._output = output if output is not None else sys.stdout
         self._output_lock = threading.Lock()
+        self.policy = policy if policy is not None else RestartPolicy()
         self._lock = threading.RLock()
         self._children: dict[str, _Child] = {}
-        # Names being restarted: their exit is expected, wait() must not react to it.
+        # Names being restarted by restart(): their exit is expected, the watcher skips them.
         self._restarting: set[str] = set()
+        # Names whose next exit was caused by kill(): restarted, but not a crash.
+        self._killed: set[str] = set()
+        # Dead children waiting out their backoff: name -> monotonic time of the restart.
+        self._due: dict[str, float] = {}
+        self._backoff: dict[str, Backoff] = {}
+        self._restarts: dict[str, int] = dict.fromkeys(names, 0)
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
         self._stop_requested = threading.Event()
         self._force = threading.Event()
+        # Set once the unit is over without a stop request: (wait()'s status, why).
+        self._outcome: tuple[int, str] | None = None
 
     # -- queries -------------------------------------------------------------------
 
     @property
     def pids(self) -> dict[str, int]:
+        """The current (or, while it waits to be restarted, the last) pid of each child."""
         with self._lock:
             return {name: child.process.pid for name, child in self._children.items()}
 
@@ -223,6 +314,25 @@ class Supervisor:
     def returncode(self, name: str) -> int | None:
         """None while the child runs."""
         return self._child(name).process.poll()
+
+    def restarts(self, name: str) -> int:
+        """How many times the watcher restarted `name` after it died (restart() not counted)."""
+        with self._lock:
+            if name not in self._restarts:
+                raise KeyError(f"no process named {name!r}")
+            return self._restarts[name]
+
+    def log_of(self, name: str) -> str:
+        """Where `name`'s output goes, in words fit for an error message."""
+        if self._log_dir is not None:
+            return str(self._log_dir / f"{name}.log")
+        return f"the output above, prefixed [{name}]"
+
+    @property
+    def failure(self) -> str | None:
+        """Why the unit ended by itself (a crash loop, a one-shot child's exit), if it did."""
+        outcome = self._outcome
+        return None if outcome is None else outcome[1]
 
     # -- control -------------------------------------------------------------------
 
@@ -238,41 +348,96 @@ class Supervisor:
         except BaseException:
             self.stop()
             raise
+        with self._lock:
+            if self._watcher is None:
+                self._closing.clear()
+                self._watcher = threading.Thread(
+                    target=self._watch, name="supervisor-watcher", daemon=True
+                )
+                self._watcher.start()
 
     def wait(self) -> int:
-        """Block until SIGINT/SIGTERM or until a child exits by itself, then stop all.
+        """Block until SIGINT/SIGTERM, or until the unit ends by itself; then stop all.
 
-        Returns 0 after a signal, else the status of the child that exited (128+N if it
-        was killed by signal N). A second signal while stopping SIGKILLs the stragglers.
-        Handlers are installed only when called from the main thread.
+        Returns 0 after a signal; 1 after giving up on a crash loop; the status of a
+        `restart=False` child that exited (128+N if it was killed by signal N). A second
+        signal while stopping SIGKILLs the stragglers. Handlers are installed only when
+        called from the main thread.
         """
-        if not self._children:
+        if not self._children and self._outcome is None:
             raise RuntimeError("Supervisor.wait() before start()")
         self._stop_requested.clear()
         with self._signal_handlers():
             while not self._stop_requested.wait(_POLL_S):
-                exited = self._unexpected_exit()
-                if exited is not None:
-                    name, pid, returncode = exited
-                    logger.error(
-                        "process %r (pid %d) exited unexpectedly with code %d; stopping the others",
-                        name,
-                        pid,
-                        returncode,
-                    )
-                    self.stop()
-                    return exit_status(returncode)
-            logger.info("stop requested; stopping %d processes", len(self._children))
+                if self._outcome is not None:
+                    break
+            outcome = self._outcome
+            if outcome is None:
+                logger.info("stop requested; stopping %d processes", len(self._children))
             self.stop()
-            return 0
+            return 0 if outcome is None else outcome[0]
+
+    def abort(self, reason: str, status: int = 1) -> None:
+        """End the unit from outside (e.g. a server it depends on is crash-looping): stop
+        every child; wait() returns `status`."""
+        logger.error("%s; stopping everything", reason)
+        self._end(status, reason)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every child, SIGKILL those still alive after `timeout`. Idempotent."""
+        self._closing.set()
+        with self._lock:
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join()
+        self._stop_children(timeout)
+
+    def restart(self, name: str, timeout: float = 10.0) -> int:
+        """Stop one child (SIGTERM, SIGKILL after `timeout`) and start it again; the new pid."""
+        with self._lock:
+            old = self._child(name)
+            self._restarting.add(name)
+        try:
+            terminate(old.process, signal.SIGTERM, timeout)
+            self._release(old)
+            with self._lock:
+                if name not in self._children:
+                    raise RuntimeError(f"supervisor stopped while restarting {name!r}")
+                new = self._launch(old.spec)
+                self._children[name] = new
+                self._due.pop(name, None)
+                self._killed.discard(name)
+            return new.process.pid
+        finally:
+            with self._lock:
+                self._restarting.discard(name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one child (fault injection); if it dies, the watcher restarts it
+        after the first backoff. An exit we caused is no crash: it never counts toward a
+        crash loop, so tests may kill a child as often as they like."""
+        with self._lock:
+            child = self._child(name)
+            self._killed.add(name)
+            child.process.send_signal(sig)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _child(self, name: str) -> _Child:
+        with self._lock:
+            try:
+                return self._children[name]
+            except KeyError:
+                raise KeyError(f"no running process named {name!r}") from None
+
+    def _stop_children(self, timeout: float) -> None:
         with self._lock:
             children = list(self._children.values())
             self._children.clear()
+            self._due.clear()
         for child in children:
-            child.process.send_signal(signal.SIGTERM)
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while (
             any(child.process.poll() is None for child in children)
@@ -292,36 +457,90 @@ class Supervisor:
         for child in children:
             self._release(child)
 
-    def restart(self, name: str, timeout: float = 10.0) -> int:
-        """Stop one child (SIGTERM, SIGKILL after `timeout`) and start it again; the new pid."""
-        with self._lock:
-            old = self._child(name)
-            self._restarting.add(name)
-        try:
-            terminate(old.process, signal.SIGTERM, timeout)
-            self._release(old)
-            with self._lock:
-                if self._children.get(name) is not old:
-                    raise RuntimeError(f"supervisor stopped while restarting {name!r}")
-                new = self._launch(old.spec)
-                self._children[name] = new
-            return new.process.pid
-        finally:
-            with self._lock:
-                self._restarting.discard(name)
+    def _end(self, status: int, reason: str) -> None:
+        if self._outcome is None:
+            self._outcome = (status, reason)
+        self._closing.set()
+        self._stop_children(timeout=10.0)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to one child. Under wait(), its exit counts as unexpected."""
-        self._child(name).process.send_signal(sig)
-
-    # -- internals -----------------------------------------------------------------
-
-    def _child(self, name: str) -> _Child:
-        with self._lock:
+    def _watch(self) -> None:
+        while not self._closing.wait(_POLL_S):
             try:
-                return self._children[name]
-            except KeyError:
-                raise KeyError(f"no running process named {name!r}") from None
+                ended = self._check_children(time.monotonic())
+            except Exception:
+                # The watcher must outlive any one failure, or nothing would be restarted.
+                logger.exception("supervisor: checking the processes failed; retrying")
+                continue
+            if ended is not None:
+                self._end(*ended)
+                return
+
+    def _check_children(self, now: float) -> tuple[int, str] | None:
+        """Restart what is due, schedule what died; (status, why) when the unit must end."""
+        with self._lock:
+            if self._closing.is_set():
+                return None
+            for name, child in list(self._children.items()):
+                if name in self._restarting:
+                    continue
+                due = self._due.get(name)
+                if due is not None:
+                    if now >= due:
+                        self._relaunch(name, child, now)
+                    continue
+                returncode = child.process.poll()
+                if returncode is None:
+                    continue
+                if not child.spec.restart:
+                    logger.error(
+                        "process %r (pid %d) exited with %s; stopping the others",
+                        name,
+                        child.process.pid,
+                        describe_exit(returncode),
+                    )
+                    return exit_status(returncode), f"process {name!r} exited"
+                backoff = self._backoff.setdefault(name, Backoff(self.policy))
+                if name in self._killed:
+                    self._killed.discard(name)
+                    delay: float | None = self.policy.first_backoff_s
+                else:
+                    delay = backoff.on_exit(now, child.started_at)
+                if delay is None:
+                    reason = (
+                        f"process {name!r} is crash-looping ({backoff.recent_exits} exits "
+                        f"within {self.policy.crash_loop_window_s:.0f}s, the last with "
+                        f"{describe_exit(returncode)}); giving up on it. Its log: "
+                        f"{self.log_of(name)}"
+                    )
+                    logger.error("%s; stopping everything", reason)
+                    return 1, reason
+                logger.warning(
+                    "process %r (pid %d) exited with %s; restarting it in %.1fs (restart %d)",
+                    name,
+                    child.process.pid,
+                    describe_exit(returncode),
+                    delay,
+                    self._restarts[name] + 1,
+                )
+                self._due[name] = now + delay
+        return None
+
+    def _relaunch(self, name: str, old: _Child, now: float) -> None:
+        self._release(old)
+        try:
+            new = self._launch(old.spec)
+        except OSError as error:
+            backoff = self._backoff.setdefault(name, Backoff(self.policy))
+            delay = backoff.on_exit(now, now)
+            retry_s = self.policy.max_backoff_s if delay is None else delay
+            logger.error(
+                "process %r could not be started (%s); retrying in %.1fs", name, error, retry_s
+            )
+            self._due[name] = now + retry_s
+            return
+        self._children[name] = new
+        self._due.pop(name, None)
+        self._restarts[name] += 1
 
     def _launch(self, spec: ProcessSpec) -> _Child:
         if self._log_dir is not None:
@@ -364,16 +583,6 @@ class Supervisor:
             child.pump.join(timeout=1.0)
         if child.log_file is not None:
             child.log_file.close()
-
-    def _unexpected_exit(self) -> tuple[str, int, int] | None:
-        with self._lock:
-            for name, child in self._children.items():
-                if name in self._restarting:
-                    continue
-                returncode = child.process.poll()
-                if returncode is not None:
-                    return name, child.process.pid, returncode
-        return None
 
     @contextlib.contextmanager
     def _signal_handlers(self) -> Iterator[None]:
