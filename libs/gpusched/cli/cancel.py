@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from gpusched.cli.client import ApiClient, ApiError
+from gpusched.cli.client import ApiClient
 from gpusched.contracts.messages import CancelJob, CancelReply
 from gpusched.infra.settings import Settings
 
@@ -27,13 +27,9 @@ def add_parsers(sub: Any) -> None:
 
 def _cancel(args: argparse.Namespace) -> int:
     settings = Settings()
-    if not settings.nats_url:
-        print("set GPUSCHED_NATS_URL to the NATS of a running stack", file=sys.stderr)
-        return 2
-    nats_url = settings.nats_url
 
     async def go() -> int:
-        async with ApiClient(nats_url, settings.subject_prefix) as api:
+        async with ApiClient.for_stack(settings) as api:
             body = CancelJob(job_id=args.job_id, operator=args.operator, reason=args.reason)
             reply = CancelReply.model_validate_json(
                 await api.request(api.subjects.api_jobs_cancel, body.model_dump_json().encode())
@@ -42,14 +38,8 @@ def _cancel(args: argparse.Namespace) -> int:
             print(f"job {reply.job_id} {reply.state}")
             return 0
         error = reply.error
-        print(f"error: {error.message if error else 'refused'}", file=sys.stderr)
+        print(f"gpusched: {error.message if error else 'refused'}", file=sys.stderr)
         return 1
 
-    try:
-        return asyncio.run(go())
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # the request itself (pydantic's ValidationError)
-        print(f"error: {exc.__class__.__name__}: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+    # A CliError (unreachable, no answer) reaches main() and is printed as one line.
+    return asyncio.run(go())

@@ -18,6 +18,7 @@ from datetime import datetime
 from gpusched.contracts.messages import ApiError, SubmitJob, SubmitReply
 from gpusched.infra import tracing
 from gpusched.infra.db import Outgoing, UnitOfWork, UnitOfWorkFactory
+from gpusched.infra.errors import is_outage
 
 from . import store
 from .queue import JobState, new_job_id
@@ -69,21 +70,17 @@ class Intake:
                 group, self._waiting = self._waiting, []
                 try:
                     await self._commit(group)
-                except Exception:
-                    if len(group) == 1:
-                        log.exception("a submit could not be stored")
-                        if not group[0].reply.done():
-                            group[0].reply.set_exception(_failure())
+                except Exception as exc:
+                    if is_outage(exc) or len(group) == 1:
+                        _fail(group, exc)
                         continue
                     # One bad submit must not fail the others: each alone, in turn.
                     log.exception("a group of %d submits failed; retrying one by one", len(group))
                     for one in group:
                         try:
                             await self._commit([one])
-                        except Exception:
-                            log.exception("a submit could not be stored")
-                            if not one.reply.done():
-                                one.reply.set_exception(_failure())
+                        except Exception as exc_one:
+                            _fail([one], exc_one)
         finally:
             self._writer = None
 
@@ -155,8 +152,18 @@ class Intake:
             self._queued()
 
 
-def _failure() -> RuntimeError:
-    return RuntimeError("the job could not be stored; nothing was queued, submit again")
+def _fail(group: Sequence[_Waiting], exc: Exception) -> None:
+    """Answer submits whose transaction failed; nothing of them was stored."""
+    if is_outage(exc):
+        # The database is away: the endpoint answers `unavailable` (logged once per outage
+        # by the edge), and the client submits again with its idempotency key.
+        failure: Exception = exc
+    else:
+        log.exception("a submit could not be stored", exc_info=exc)
+        failure = RuntimeError("the job could not be stored; nothing was queued, submit again")
+    for one in group:
+        if not one.reply.done():
+            one.reply.set_exception(failure)
 
 
 def _refused(uow: UnitOfWork, s: Submission, refusal: ApiError) -> Outgoing:
