@@ -22,9 +22,12 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from gpusched.admission import parking
 from gpusched.cli.stack import SERVICES
 from gpusched.infra import metrics
 from gpusched.infra.settings import Settings
+from gpusched.preemption import handlers as preemption_handlers
+from gpusched.preemption import inputs as preemption_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -48,6 +51,10 @@ SERVICE_ALERTS = {
     "GpuschedOutboxLagHigh",
     "GpuschedHandlerFailures",
     "GpuschedHandlerRetries",
+    "GpuschedOutboxStalled",
+    "GpuschedDependencyUnreachable",
+    "GpuschedJobsParked",
+    "GpuschedControllerFailing",
 }
 
 
@@ -99,7 +106,8 @@ def exported_metric_names() -> set[str]:
     """Sample names the services' registry exposes (counter _total, histogram _bucket...)."""
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count")}
     names: set[str] = set()
-    for collector in vars(metrics).values():
+    modules = (metrics, parking, preemption_handlers, preemption_inputs)
+    for collector in (value for module in modules for value in vars(module).values()):
         if isinstance(collector, MetricWrapperBase):
             for family in collector.describe():
                 names.add(family.name)
