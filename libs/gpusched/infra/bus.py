@@ -30,6 +30,7 @@ from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import StreamSpec, Subjects
+from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S, read_message
 from gpusched.infra import metrics, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
@@ -163,6 +164,7 @@ class ConsumerRunner:
         fetch_batch: int,
         nak_delay_s: float,
         concurrency: int = 1,
+        max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
     ) -> None:
         self._js = js
         self._c = consumer
@@ -183,6 +185,9 @@ class ConsumerRunner:
         if self._concurrency < 1:
             raise ValueError(f"consumer {consumer.durable}: concurrency must be at least 1")
         self._stopping = False
+        self._max_skew = max_clock_skew_s
+        # Types outside the public registry that this consumer handles itself.
+        self._own_types = frozenset((*consumer.handlers, *consumer.edge_handlers))
 
     @property
     def concurrency(self) -> int:
@@ -240,7 +245,7 @@ class ConsumerRunner:
         if self._concurrency == 1 or self._c.key is None:
             return _ONE_LANE, None
         try:
-            envelope = Envelope.from_bytes(msg.data)
+            envelope = self._read(msg)
         except MalformedMessage:
             return _ONE_LANE, None
         try:
@@ -262,18 +267,29 @@ class ConsumerRunner:
     def stop(self) -> None:
         self._stopping = True
 
+    def _read(self, msg: Msg) -> Envelope:
+        """The envelope and its payload, validated once at the edge (contracts.validation)."""
+        return read_message(
+            msg.data,
+            msg.subject,
+            utcnow(),
+            max_clock_skew_s=self._max_skew,
+            also_known=self._own_types,
+        )
+
     async def process(self, msg: Msg, parsed: Envelope | None = None) -> None:
         started = time.perf_counter()
         consumer = self._c.durable
         message_type = "unknown"
         outcome = "applied"
         try:
-            envelope = parsed if parsed is not None else Envelope.from_bytes(msg.data)
+            envelope = parsed if parsed is not None else self._read(msg)
             message_type = envelope.type
             handler = self._c.handlers.get(envelope.type)
             edge_handler = self._c.edge_handlers.get(envelope.type)
             if handler is None and edge_handler is None:
-                # A type this consumer does not apply (e.g. a newer producer's type).
+                # A known type this consumer does not apply; an unknown type or a newer
+                # version than this build reads was dead-lettered by `_read`.
                 outcome = "ignored"
                 await msg.ack()
                 return
