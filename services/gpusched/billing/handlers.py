@@ -152,7 +152,9 @@ class StatementEndpoint:
     async def __call__(self, raw: bytes) -> StatementReply:
         request = parse_request(StatementRequest, raw)
         if isinstance(request, Invalid):
-            return StatementReply(ok=False, error=request.error())
+            # Billing's published code for a bad request; the field is named as everywhere.
+            error = request.error().model_copy(update={"code": ErrorCode.BAD_REQUEST})
+            return StatementReply(ok=False, error=error)
         now = self._clock()
         async with self._uow() as uow:
             end = request.period_end or now
