@@ -254,3 +254,28 @@ async def test_hostile_job_events_are_dead_lettered_by_every_consumer_and_change
         await eventually(lambda durable=durable: cluster.caught_up(durable), within=20)
     for name in ("admission", "checkpoint"):
         assert valid not in await dead_letters(cluster.js, cluster.s.dead_letter(name))
+
+
+async def test_a_message_on_a_hostile_subject_is_dead_lettered_and_ingest_keeps_working(
+    cluster: Cluster,
+) -> None:
+    """The subject itself is the producer's choice: a bidi character or a very long
+    token in it must not stop the consumer that reports it."""
+    now = utcnow()
+    hostile = {
+        cluster.s.all_gpu_telemetry.replace("*", "n\u202eode"): gpu_sample("n\u202eode", now),
+        cluster.s.all_gpu_telemetry.replace("*", "n" * 300): gpu_sample("n" * 300, now),
+    }
+    raws = []
+    for subject, data in hostile.items():
+        raw = envelope("gpu.sample", data)
+        raws.append(raw)
+        await cluster.publish(subject, raw)
+    await cluster.dead_lettered("ingest", raws)
+    audits = await cluster.dead_letter_audits()
+    assert any("\\u202e" in a["entity"] for a in audits)
+
+    stored = await samples(cluster)
+    gpu_subject = cluster.s.telemetry_gpu(NODE)
+    await cluster.publish(gpu_subject, envelope("gpu.sample", gpu_sample(NODE, utcnow())))
+    await eventually(lambda: more_than(cluster, stored), within=20)

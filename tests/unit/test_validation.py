@@ -27,6 +27,7 @@ from gpusched.contracts.validation import (
     Invalid,
     check_text,
     parse_request,
+    printable,
     read_message,
     stream_max_age,
 )
@@ -271,3 +272,11 @@ def test_the_past_is_bounded_by_the_max_age_of_the_stream() -> None:
 def test_bytes_that_are_no_envelope_are_malformed(raw: bytes) -> None:
     with pytest.raises(MalformedMessage):
         read_message(raw, "p.telemetry.gpu.n1", NOW)
+
+
+def test_text_that_failed_validation_is_reported_escaped_and_bounded() -> None:
+    assert printable("p.telemetry.gpu.n1", 200) == "p.telemetry.gpu.n1"
+    shown = printable("a\u202eb\x00c", 200)
+    assert shown == "a\\u202eb\\x00c"
+    check_text(shown, max_length=200)
+    assert len(printable("x" * 10_000, 200)) == 200

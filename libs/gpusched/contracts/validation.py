@@ -68,6 +68,7 @@ __all__ = [
     "Uri",
     "check_text",
     "parse_request",
+    "printable",
     "read_message",
 ]
 
@@ -110,6 +111,17 @@ def check_text(value: str, *, max_length: int, multiline: bool = False) -> str:
         if ch in _CONTROLS and not (multiline and ch in _LINE_BREAKS):
             raise ValueError(f"control character U+{ord(ch):04X} is not allowed")
     return value
+
+
+def printable(value: str, limit: int) -> str:
+    """`value` made safe to show and store: control and bidi characters escaped, cut
+    to `limit` characters. For text that did not pass validation (a hostile subject or
+    error message) but must still be reported."""
+    safe = "".join(
+        ch.encode("unicode_escape").decode() if ch in _BIDI or ch in _CONTROLS else ch
+        for ch in value[: limit * 2]
+    )
+    return safe if len(safe) <= limit else safe[: limit - 3] + "..."
 
 
 def _text(max_length: int, *, multiline: bool = False) -> AfterValidator:

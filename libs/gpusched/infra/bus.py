@@ -30,7 +30,7 @@ from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import StreamSpec, Subjects
-from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S, read_message
+from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S, printable, read_message
 from gpusched.infra import metrics, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
@@ -117,17 +117,18 @@ class DeadLetters:
 
     async def send(self, msg: Msg, consumer: str, reason: str, error: str) -> None:
         headers = {
-            "Gpusched-Original-Subject": msg.subject,
+            "Gpusched-Original-Subject": printable(msg.subject, 500),
             "Gpusched-Consumer": consumer,
             "Gpusched-Reason": reason,
-            "Gpusched-Error": error[:500],
+            "Gpusched-Error": printable(error, 500),
         }
         await self._js.publish(self._subjects.dead_letter(self._service), msg.data, headers=headers)
         record = AuditRecord(
             action="message.dead_lettered",
             actor=self._service,
-            entity=msg.subject,
-            reason=f"{reason}: {error}"[:1000],
+            # Subject and error may carry what the edge refused: escaped, bounded.
+            entity=printable(msg.subject, 200),
+            reason=printable(f"{reason}: {error}", 1000),
             details={"consumer": consumer, "bytes": len(msg.data)},
             time=utcnow(),
         )
