@@ -86,8 +86,9 @@ TEXT_MAX: Final = 4000
 URI_MAX: Final = 4096
 ARGV_MAX_ITEMS: Final = 256
 ARGV_MAX_BYTES: Final = 64 * 1024
-DOCUMENT_MAX_DEPTH: Final = 8
-DOCUMENT_MAX_ITEMS: Final = 1024
+DOCUMENT_MAX_DEPTH: Final = 16
+DOCUMENT_MAX_ITEMS: Final = 10_000
+DOCUMENT_STRING_MAX: Final = 64 * 1024
 REQUEST_STRING_MAX: Final = 64 * 1024
 # How far ahead of the receiver's clock a timestamp may be (the `bus.max_clock_skew_s`
 # setting); how far behind is bounded by the max age of the stream it came on.
@@ -173,7 +174,7 @@ def check_document(value: Any, *, depth: int = 0) -> Any:
         if not math.isfinite(value):
             raise ValueError("numbers must be finite (no NaN or Infinity)")
     elif isinstance(value, str):
-        check_text(value, max_length=TEXT_MAX, multiline=True)
+        check_text(value, max_length=DOCUMENT_STRING_MAX, multiline=True)
     elif isinstance(value, Mapping):
         if len(value) > DOCUMENT_MAX_ITEMS:
             raise ValueError(f"more than {DOCUMENT_MAX_ITEMS} entries")
