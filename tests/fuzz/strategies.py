@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,6 +21,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 MEGABYTE = "x" * 1_000_000
+# Examples per schema: a few dozen locally; CI may raise it (GPUSCHED_FUZZ_EXAMPLES=200).
+EXAMPLES = int(os.environ.get("GPUSCHED_FUZZ_EXAMPLES", "30"))
 
 # Wrong for any number field of the public schemas (all are bounded and most are >= 0
 # or >= 1; a bool or a string never counts as a number).

@@ -18,6 +18,7 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
 from tests.fuzz.service_state import digest
 from tests.fuzz.strategies import (
+    EXAMPLES,
     HOSTILE_NUMBERS,
     HOSTILE_STRINGS,
     MEGABYTE,
@@ -37,8 +38,6 @@ from tests.support.admission import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-EXAMPLES = 40
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from gpusched.infra.settings import IngestSettings, Settings
 from gpusched.ingest import app as ingest_app
 from tests.fuzz.service_state import dead_letters, digest
 from tests.fuzz.strategies import (
+    EXAMPLES,
     MEGABYTE,
     Mutation,
     draw,
@@ -44,7 +45,6 @@ from tests.support.waiting import eventually, stream_messages_after
 
 pytestmark = pytest.mark.timeout(120)
 
-EXAMPLES = 30
 NODE = "shared-00"  # in SMALL_CLUSTER, with 4 GPUs
 SERVICE = "chat"
 JOB = "fuzz-job"
