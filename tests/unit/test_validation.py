@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import (
+    ApproveJob,
     GetJob,
     GpuSample,
     InferenceStats,
@@ -280,3 +281,25 @@ def test_text_that_failed_validation_is_reported_escaped_and_bounded() -> None:
     assert shown == "a\\u202eb\\x00c"
     check_text(shown, max_length=200)
     assert len(printable("x" * 10_000, 200)) == 200
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"workload": {"steps": 0}}, "workload.steps"),
+        ({"team": "t" * 65}, "team"),
+        ({"name": ""}, "name"),
+    ],
+    ids=["zero-steps", "long-team", "empty-name"],
+)
+def test_a_field_bound_tighter_than_its_type_still_holds(
+    change: dict[str, Any], field: str
+) -> None:
+    assert refused({**SUBMIT, **change}).field == field
+
+
+def test_an_operator_reason_and_an_envelope_id_keep_their_own_limits() -> None:
+    body = {"job_id": "j1", "operator": "ops", "reason": "r" * 1001}
+    assert isinstance(parse_request(ApproveJob, json.dumps(body).encode()), Invalid)
+    with pytest.raises(MalformedMessage, match="id"):
+        read_message(raw_envelope("gpu.sample", sample(), id="i" * 129), "p.telemetry.gpu.n1", NOW)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from gpusched.contracts.errors import MalformedMessage
-from gpusched.contracts.validation import Id, first_error
+from gpusched.contracts.validation import Id, MessageId, Source, first_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -29,10 +29,10 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: Id = Field(max_length=128)
-    type: Id = Field(max_length=128)
+    id: MessageId
+    type: MessageId
     version: int = Field(default=1, ge=1, le=1_000_000, strict=True)
-    source: Id = Field(max_length=64)
+    source: Source
     time: datetime
     correlation_id: Id | None = None
     causation_id: Id | None = None

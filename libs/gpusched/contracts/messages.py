@@ -33,9 +33,12 @@ from gpusched.contracts.validation import (
     Name,
     ObservedAt,
     Power,
+    Reason,
     Seconds,
     Step,
+    Steps,
     StrictFlag,
+    Team,
     Temperature,
     Text,
     Uri,
@@ -225,7 +228,7 @@ class WorkloadSpec(Public):
     script that uses the SDK)."""
 
     kind: Literal["sim", "process"] = "sim"
-    steps: Step = Field(default=1000, ge=1)
+    steps: Steps = 1000
     step_seconds: Seconds = Field(default=1.0, gt=0)
     checkpoint_seconds: Seconds = 0.5
     argv: Argv = Field(default_factory=list)
@@ -247,7 +250,7 @@ class Replicas(Public):
 
 class SubmitJob(Public):
     name: Name = Field(min_length=1)
-    team: Name = Field(min_length=1, max_length=64)
+    team: Team
     kind: JobKind = JobKind.TRAINING
     priority_class: PriorityClassName = PriorityClassName.P1_NORMAL
     gpus: GpuRequest
@@ -366,7 +369,7 @@ class ApproveJob(Public):
 
     job_id: Id
     operator: Name = Field(min_length=1)
-    reason: Text = Field(default="", max_length=1000)
+    reason: Reason = ""
 
 
 class ApproveReply(Public):
@@ -380,7 +383,7 @@ class CancelJob(Public):
 
     job_id: Id
     operator: Name = Field(min_length=1)
-    reason: Text = Field(default="", max_length=1000)
+    reason: Reason = ""
 
 
 class CancelReply(Public):
@@ -558,7 +561,7 @@ class NodeCommand(Public):
 
     node: Id
     operator: Name = Field(min_length=1)
-    reason: Text = Field(default="", max_length=1000)
+    reason: Reason = ""
 
 
 class AddNode(Public):
@@ -566,14 +569,14 @@ class AddNode(Public):
     # memory_mib, ...); `count`/`name_prefix` entries add several nodes at once.
     spec: Document
     operator: Name = Field(min_length=1)
-    reason: Text = Field(default="", max_length=1000)
+    reason: Reason = ""
 
 
 class ReloadInventory(Public):
     """Read the inventory file again and add the nodes it has that the ledger has not."""
 
     operator: Name = Field(min_length=1)
-    reason: Text = Field(default="", max_length=1000)
+    reason: Reason = ""
 
 
 class ListNodes(Public):

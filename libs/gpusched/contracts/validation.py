@@ -54,15 +54,20 @@ __all__ = [
     "Id",
     "Invalid",
     "Latency",
+    "MessageId",
     "MiB",
     "Milli",
     "Name",
     "ObservedAt",
     "OptionalText",
     "Power",
+    "Reason",
     "Seconds",
+    "Source",
     "Step",
+    "Steps",
     "StrictFlag",
+    "Team",
     "Temperature",
     "Text",
     "Uri",
@@ -135,6 +140,12 @@ Name = Annotated[str, Field(max_length=NAME_MAX), _text(NAME_MAX)]
 Text = Annotated[str, Field(max_length=TEXT_MAX), _text(TEXT_MAX, multiline=True)]
 OptionalText = Text | None
 Uri = Annotated[str, Field(min_length=1, max_length=URI_MAX), _text(URI_MAX)]
+# Bounds tighter than the general ones are types of their own: an outer Field() cannot
+# tighten a bound the annotated type already sets (the type's own bound would win).
+Team = Annotated[str, Field(min_length=1, max_length=64), _text(64)]
+Reason = Annotated[str, Field(max_length=1000), _text(1000, multiline=True)]
+MessageId = Annotated[str, Field(min_length=1, max_length=128), _text(128)]
+Source = Annotated[str, Field(min_length=1, max_length=64), _text(64)]
 
 
 def _argv_size(argv: list[str]) -> list[str]:
@@ -150,6 +161,7 @@ Argv = Annotated[list[_Arg], Field(max_length=ARGV_MAX_ITEMS), AfterValidator(_a
 # --- numbers: strict (no bools, no strings) and finite ----------------------------------
 Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
 Step = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
+Steps = Annotated[int, Strict(), Field(ge=1, le=MAX_COUNT)]  # a workload's length
 Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
 MiB = Annotated[int, Strict(), Field(ge=0, le=MAX_MIB)]
 GpuIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_GPUS)]
