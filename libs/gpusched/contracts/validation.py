@@ -79,7 +79,7 @@ __all__ = [
 
 # --- limits -----------------------------------------------------------------------------
 MAX_COUNT: Final = 10**12  # requests, queue depth, steps: far above anything real
-MAX_BYTES: Final = 2**60  # one checkpoint: an exbibyte
+MAX_BYTES: Final = 2**50  # one checkpoint: a pebibyte
 MAX_MIB: Final = 2**30  # one GPU's memory in MiB: a pebibyte
 MAX_GPUS: Final = 1024  # GPUs per node, and the index bound
 MAX_SECONDS: Final = 10.0**9  # ~31 years
