@@ -145,3 +145,42 @@ async def test_hostile_job_and_node_requests_are_invalid_naming_the_field(
     assert await digest(admission.rt) == before
 
     assert (await client.job(job_id))["state"] in {"queued", "running"}
+
+
+NODE_SPEC: dict[str, Any] = {
+    "name": "fuzz-node",
+    "pool": "shared",
+    "gpu_model": "A100-80GB",
+    "gpus": 4,
+    "cpu_milli": 64000,
+    "memory_mib": 524288,
+}
+NODE_SPEC_FIELDS: dict[str, list[Any]] = {
+    "spec.name": [*HOSTILE_STRINGS, ""],
+    "spec.pool": [*HOSTILE_STRINGS, "nowhere"],
+    "spec.gpu_model": HOSTILE_STRINGS,
+    "spec.gpus": [*HOSTILE_NUMBERS, 0, 1025],
+    "spec.cpu_milli": HOSTILE_NUMBERS,
+    "spec.memory_mib": HOSTILE_NUMBERS,
+    "spec.count": [*HOSTILE_NUMBERS, 0],
+    "operator": [*HOSTILE_STRINGS, ""],
+}
+
+
+async def test_a_hostile_node_spec_is_refused_without_an_internal_error_or_a_change(
+    admission: Admission, client: Client
+) -> None:
+    """A node spec is a free-form document checked by the inventory's own parser: it is
+    refused as `invalid` (the edge) or `invalid_node_spec` (the parser), never
+    `internal`, and no node is added."""
+    subject = client.s.api_nodes(NodeVerb.ADD)
+    valid = {"spec": NODE_SPEC, "operator": "ops", "reason": "fuzz"}
+    before = await settled(admission)
+    for mutation in draw(mutations(NODE_SPEC_FIELDS), EXAMPLES):
+        reply = await client.request(subject, to_json(mutation.apply(valid)))
+        assert reply["ok"] is False, (mutation, reply)
+        assert reply["error"]["code"] in {"invalid", "invalid_node_spec"}, (mutation, reply)
+    assert await digest(admission.rt) == before
+
+    reply = await client.request(subject, to_json(valid))
+    assert reply["ok"], reply

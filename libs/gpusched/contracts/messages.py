@@ -564,12 +564,34 @@ class NodeCommand(Public):
     reason: Reason = ""
 
 
+# Upper bounds of the sizes in a node spec (AddNode); the inventory parser checks the rest.
+NODE_SPEC_LIMITS: dict[str, int] = {
+    "gpus": 1024,
+    "count": 10_000,
+    "cpu_milli": 10**9,
+    "memory_mib": 2**30,
+    "gpu_memory_mib": 2**30,
+    "disk_gib": 2**30,
+}
+
+
 class AddNode(Public):
     # One entry in the inventory YAML shape (name, pool, gpu_model, gpus, cpu_milli,
     # memory_mib, ...); `count`/`name_prefix` entries add several nodes at once.
     spec: Document
     operator: Name = Field(min_length=1)
     reason: Reason = ""
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_sizes_bounded(cls, v: dict[str, object]) -> dict[str, object]:
+        # The inventory parser builds one object per GPU and per node: a huge count
+        # would stall admission, so the sizes are bounded here, at the edge.
+        for key, most in NODE_SPEC_LIMITS.items():
+            value = v.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                raise ValueError(f"{key}: at most {most}, got {value}")
+        return v
 
 
 class ReloadInventory(Public):
