@@ -283,3 +283,33 @@ async def test_bad_rows_stored_before_validation_neither_linger_nor_blind_the_sn
     async with ingest.uow() as uow:
         rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
         assert rows.one().n == 0
+
+
+async def test_a_sample_from_a_node_outside_the_inventory_is_retried_then_dead_lettered(
+    settings: Settings,
+) -> None:
+    quick = settings.model_copy(
+        update={
+            "ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1),
+            "bus": settings.bus.model_copy(update={"max_deliver": 2, "nak_delay_s": 0.1}),
+        }
+    )
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, quick, migrations_dir(app.__file__))
+    await runtime.start()
+    await app.build(runtime)
+    task = asyncio.create_task(runtime.run())
+    try:
+        await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
+        await gpu_sample(runtime, "stranger", {0: 0.9})
+
+        [dead] = await stream_messages(runtime.js, runtime.subjects.dead_letter("ingest"), 1)
+        assert dead.headers["Gpusched-Original-Subject"] == runtime.subjects.telemetry_gpu(
+            "stranger"
+        )
+        assert "not in the inventory" in dead.headers["Gpusched-Error"]
+        async with runtime.uow() as uow:
+            rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
+            assert rows.one().n == 0
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)
