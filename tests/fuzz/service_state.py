@@ -8,9 +8,6 @@ from nats.js import JetStreamContext
 from gpusched.infra.runtime import ServiceRuntime
 from tests.support.waiting import stream_messages_after
 
-# Rows that change with the clock alone, whatever the input (leases of singleton loops).
-CLOCK_TABLES = frozenset({"leader", "leases", "leader_lease"})
-
 
 async def digest(rt: ServiceRuntime) -> dict[str, str]:
     """An md5 of every table of the service's schema, by table name."""
@@ -19,7 +16,7 @@ async def digest(rt: ServiceRuntime) -> dict[str, str]:
             "SELECT table_name FROM information_schema.tables WHERE table_schema = :s",
             {"s": rt.schema},
         )
-        tables = sorted(r.table_name for r in rows if r.table_name not in CLOCK_TABLES)
+        tables = sorted(r.table_name for r in rows)
         found: dict[str, str] = {}
         for table in tables:
             result = await uow.execute(
