@@ -143,7 +143,8 @@ async def test_a_submit_the_database_refuses_fails_alone_and_its_group_is_still_
             json.dumps({"name": f"good-{n}", "team": "vision", "gpus": {"count": 4}}).encode()
             for n in range(10)
         ]
-        # PostgreSQL cannot store a NUL character: the whole group's INSERT fails.
+        # PostgreSQL cannot store a NUL character; the edge refuses it before the group's
+        # INSERT is tried, so the rest of the group is stored and the NUL is `invalid`.
         bad = json.dumps({"name": "bad\u0000name", "team": "vision", "gpus": {"count": 4}})
 
         replies = await asyncio.gather(
@@ -151,7 +152,8 @@ async def test_a_submit_the_database_refuses_fails_alone_and_its_group_is_still_
         )
 
         assert [reply["ok"] for reply in replies] == [True] * 10 + [False]
-        assert replies[-1]["error"]["code"] == "internal"
+        assert replies[-1]["error"]["code"] == "invalid"
+        assert replies[-1]["error"]["field"] == "name"
         assert await running.rows("jobs") == 10
         for reply in replies[:10]:
             assert (await client.job(reply["job_id"]))["name"].startswith("good-")

@@ -235,3 +235,81 @@ async def test_no_snapshot_is_emitted_while_nothing_reported(ingest: ServiceRunt
         ("inference", 2, 1),
         ("shared", 2, 0),
     ]
+
+
+async def test_a_sample_for_a_gpu_the_node_does_not_have_is_dead_lettered_unstored(
+    ingest: ServiceRuntime,
+) -> None:
+    await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
+    await gpu_sample(ingest, "inf-1", {0: 0.5})
+    await snapshot_where(ingest, lambda s: pools(s)["inference"].reporting_gpus == 1)
+
+    # inf-1 has two GPUs: index 5 is no GPU of it.
+    await gpu_sample(ingest, "inf-1", {5: 0.9})
+
+    [dead] = await stream_messages(ingest.js, ingest.subjects.dead_letter("ingest"), 1)
+    assert dead.headers["Gpusched-Reason"] == "rejected"
+    assert "no GPU index 5" in dead.headers["Gpusched-Error"]
+    async with ingest.uow() as uow:
+        rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples WHERE idx = 5")
+        assert rows.one().n == 0
+
+
+async def test_bad_rows_stored_before_validation_neither_linger_nor_blind_the_snapshot(
+    ingest: ServiceRuntime,
+) -> None:
+    """Rows the edge refuses today may be in a database written by an older version: a
+    sample dated 9999 is pruned, and a service whose latest stats are not finite is set
+    aside while the other services are still reported."""
+    await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
+    now = utcnow()
+    async with ingest.uow() as uow:
+        await uow.execute(
+            "INSERT INTO ingest.samples (node, idx, time, util, mem_used_mib, mem_total_mib) "
+            "VALUES ('inf-1', 0, '9999-01-01T00:00:00Z', 0.99, 1, 2)"
+        )
+        await uow.execute(
+            "INSERT INTO ingest.service_stats "
+            "(service, time, window_s, requests, queue_depth, p50_ms, p99_ms) "
+            "VALUES ('broken', :t, 10, 1, 0, 1, 'Infinity'), ('chat', :t, 10, 5, 1, 2, 30)",
+            {"t": now},
+        )
+        await uow.commit()
+
+    snapshot = await snapshot_where(ingest, lambda s: bool(s.services))
+
+    assert [s.service for s in snapshot.services] == ["chat"]
+    assert pools(snapshot)["inference"].reporting_gpus == 0
+    async with ingest.uow() as uow:
+        rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
+        assert rows.one().n == 0
+
+
+async def test_a_sample_from_a_node_outside_the_inventory_is_retried_then_dead_lettered(
+    settings: Settings,
+) -> None:
+    quick = settings.model_copy(
+        update={
+            "ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1),
+            "bus": settings.bus.model_copy(update={"max_deliver": 2, "nak_delay_s": 0.1}),
+        }
+    )
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, quick, migrations_dir(app.__file__))
+    await runtime.start()
+    await app.build(runtime)
+    task = asyncio.create_task(runtime.run())
+    try:
+        await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
+        await gpu_sample(runtime, "stranger", {0: 0.9})
+
+        [dead] = await stream_messages(runtime.js, runtime.subjects.dead_letter("ingest"), 1)
+        assert dead.headers["Gpusched-Original-Subject"] == runtime.subjects.telemetry_gpu(
+            "stranger"
+        )
+        assert "not in the inventory" in dead.headers["Gpusched-Error"]
+        async with runtime.uow() as uow:
+            rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
+            assert rows.one().n == 0
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)

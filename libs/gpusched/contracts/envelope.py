@@ -7,9 +7,10 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from gpusched.contracts.errors import MalformedMessage
+from gpusched.contracts.validation import Id, MessageId, Source, first_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -28,14 +29,17 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str = Field(min_length=1, max_length=128)
-    type: str = Field(min_length=1, max_length=128)
-    version: int = Field(default=1, ge=1)
-    source: str = Field(min_length=1, max_length=64)
+    id: MessageId
+    type: MessageId
+    version: int = Field(default=1, ge=1, le=1_000_000, strict=True)
+    source: Source
     time: datetime
-    correlation_id: str | None = None
-    causation_id: str | None = None
+    correlation_id: Id | None = None
+    causation_id: Id | None = None
     data: dict[str, Any]
+    # The payload as validated at the edge (validation.read_message), handed to the
+    # handler by `payload()` without a second validation.
+    _payload: BaseModel | None = PrivateAttr(default=None)
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -47,8 +51,14 @@ class Envelope(BaseModel):
         except ValidationError as exc:
             raise MalformedMessage(f"not a valid envelope: {_first_error(exc)}") from exc
 
+    def keep_payload(self, payload: BaseModel) -> None:
+        """Remember the payload validated at the edge."""
+        self._payload = payload
+
     def payload(self, model: builtins.type[M]) -> M:
         """The typed payload; a payload that does not match its schema is malformed."""
+        if isinstance(self._payload, model):
+            return self._payload
         try:
             return model.model_validate(self.data)
         except ValidationError as exc:
@@ -79,6 +89,5 @@ def make_envelope(
 
 
 def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
-    return f"{where}: {err.get('msg', 'invalid')}"
+    where, message = first_error(exc)
+    return f"{where}: {message}"

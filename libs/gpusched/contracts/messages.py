@@ -1,7 +1,10 @@
 """Payload schemas, one pydantic model per message type, and the type registry.
 
 Public contracts (DESIGN §4) come first; internal service-to-service messages after.
-Every model forbids unknown fields so a typo is an error, not silently dropped data.
+Every field is built from the types in `validation` (finite numbers, ranges, strict
+numbers, string rules). Public models are tolerant readers: unknown optional fields are
+ignored, so a newer producer is not dead-lettered by an older consumer. Internal models
+forbid unknown fields, so a typo between our own services is an error.
 """
 
 from __future__ import annotations
@@ -9,15 +12,50 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from gpusched.contracts.subjects import check_token
+from gpusched.contracts.validation import (
+    Argv,
+    Attempt,
+    Bytes,
+    Count,
+    Document,
+    Fraction,
+    GpuCount,
+    GpuIndex,
+    Id,
+    Latency,
+    MiB,
+    Milli,
+    Name,
+    ObservedAt,
+    Power,
+    Reason,
+    Seconds,
+    Step,
+    Steps,
+    StrictFlag,
+    Team,
+    Temperature,
+    Text,
+    Uri,
+    check_document,
+)
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    """An internal message: unknown fields are refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class Public(Wire):
+    """A public message: read tolerantly, unknown optional fields are ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
 
 # ======================================================================================
@@ -28,99 +66,135 @@ class StageName(StrEnum):
     PERSISTED = "persisted"
 
 
-class CheckpointRequested(Wire):
-    request_id: str
-    job_id: str
-    reason: str
+class CheckpointRequested(Public):
+    request_id: Id
+    job_id: Id
+    reason: Text
     deadline: datetime
     stage_required: StageName
 
 
-class PreemptionCancelled(Wire):
-    request_id: str
+class PreemptionCancelled(Public):
+    request_id: Id
 
 
-class Resume(Wire):
-    checkpoint_id: str
-    uri: str
+class Resume(Public):
+    checkpoint_id: Id
+    uri: Uri
 
 
 # ======================================================================================
 # Public: job events (job -> control plane) on <p>.jobs.<job_id>.events
 # ======================================================================================
-class JobStarted(Wire):
-    job_id: str
-    attempt: int = Field(ge=1)
-    resumed_from: str | None = None
+class JobStarted(Public):
+    job_id: Id
+    attempt: Attempt
+    resumed_from: Id | None = None
 
 
-class JobProgress(Wire):
-    model_config = ConfigDict(frozen=True, extra="allow")  # frameworks add their metrics
-    step: int = Field(ge=0)
+class JobProgress(Public):
+    # Frameworks add their metrics: kept, as long as they are finite and bounded.
+    model_config = ConfigDict(frozen=True, extra="allow", allow_inf_nan=False)
+    step: Step
+
+    @model_validator(mode="after")
+    def _metrics_are_clean(self) -> JobProgress:
+        if len(self.__pydantic_extra__ or {}) > 64:
+            raise ValueError("at most 64 metrics")
+        check_document(self.__pydantic_extra__ or {})
+        return self
 
 
-class CheckpointConfirmed(Wire):
-    request_id: str | None
-    checkpoint_id: str = Field(min_length=1)
-    step: int = Field(ge=0)
-    uri: str = Field(min_length=1)
-    bytes: int = Field(ge=0)
+class CheckpointConfirmed(Public):
+    request_id: Id | None
+    checkpoint_id: Id
+    step: Step
+    uri: Uri
+    bytes: Bytes
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     stage: StageName
 
 
-class CheckpointFailed(Wire):
-    request_id: str | None
-    error: str
+class CheckpointFailed(Public):
+    request_id: Id | None
+    error: Text
 
 
-class JobCompleted(Wire):
-    job_id: str
-    step: int | None = None
+class JobCompleted(Public):
+    job_id: Id
+    step: Step | None = None
 
 
-class JobFailed(Wire):
-    job_id: str
-    error: str
+class JobFailed(Public):
+    job_id: Id
+    error: Text
 
 
 # ======================================================================================
 # Public: telemetry
 # ======================================================================================
-class GpuReading(Wire):
-    index: int = Field(ge=0)
-    util: float = Field(ge=0.0, le=1.0)
-    mem_used_mib: int = Field(ge=0)
-    mem_total_mib: int = Field(gt=0)
-    temp_c: float | None = None
-    power_w: float | None = None
+class GpuReading(Public):
+    index: GpuIndex
+    util: Fraction
+    mem_used_mib: MiB
+    mem_total_mib: MiB = Field(gt=0)
+    temp_c: Temperature | None = None
+    power_w: Power | None = None
+
+    @model_validator(mode="after")
+    def _used_within_total(self) -> GpuReading:
+        if self.mem_used_mib > self.mem_total_mib:
+            raise ValueError(
+                f"mem_used_mib ({self.mem_used_mib}) exceeds mem_total_mib ({self.mem_total_mib})"
+            )
+        return self
 
 
-class GpuSample(Wire):
-    node: str
-    time: datetime
-    gpus: list[GpuReading]
+class GpuSample(Public):
+    node: Id
+    time: ObservedAt
+    gpus: list[GpuReading] = Field(max_length=1024)
+
+    @field_validator("node")
+    @classmethod
+    def _node_is_token(cls, v: str) -> str:
+        return check_token(v, "node")
+
+    @field_validator("gpus")
+    @classmethod
+    def _indexes_unique(cls, v: list[GpuReading]) -> list[GpuReading]:
+        seen: set[int] = set()
+        for reading in v:
+            if reading.index in seen:
+                raise ValueError(f"GPU index {reading.index} appears twice")
+            seen.add(reading.index)
+        return v
 
 
-class InferenceStats(Wire):
-    service: str
-    time: datetime
-    window_s: float = Field(gt=0)
-    requests: int = Field(ge=0)
-    queue_depth: int = Field(ge=0)
-    p50_ms: float = Field(ge=0)
-    p99_ms: float = Field(ge=0)
+class InferenceStats(Public):
+    service: Id
+    time: ObservedAt
+    window_s: Seconds = Field(gt=0)
+    requests: Count
+    queue_depth: Count
+    p50_ms: Latency
+    p99_ms: Latency
+
+    @field_validator("service")
+    @classmethod
+    def _service_is_token(cls, v: str) -> str:
+        return check_token(v, "service")
 
 
 # ======================================================================================
 # Public: audit on <p>.audit.<action>, stored in the stream <PREFIX>_AUDIT
 # ======================================================================================
-class AuditRecord(Wire):
-    action: str
-    actor: str  # the service (or operator) that decided
-    entity: str  # what it is about: a job, allocation, saga, node ...
-    reason: str
-    details: dict[str, Any] = Field(default_factory=dict)
+class AuditRecord(Public):
+    action: Id
+    actor: Name  # the service (or operator) that decided
+    entity: Name  # what it is about: a job, allocation, saga, node ...
+    reason: Text
+    details: Document = Field(default_factory=dict)
     time: datetime
 
 
@@ -139,33 +213,33 @@ class PriorityClassName(StrEnum):
     P2_OFFLINE = "p2-offline"
 
 
-class GpuRequest(Wire):
-    count: int = Field(ge=1, le=1024)
-    model: str | None = None
-    memory_gib: float | None = Field(default=None, gt=0)
-    milli: int | None = Field(default=None, ge=1, le=1000)
+class GpuRequest(Public):
+    count: GpuCount
+    model: Name | None = None
+    memory_gib: float | None = Field(default=None, gt=0, le=1024 * 1024, strict=True)
+    milli: Milli | None = None
     # The fewest GPUs the job accepts after a long wait (DESIGN §7); None: exactly `count`.
-    min_count: int | None = Field(default=None, ge=1, le=1024)
+    min_count: GpuCount | None = None
 
 
-class WorkloadSpec(Wire):
+class WorkloadSpec(Public):
     """What the cluster agent runs. The simulated cluster understands the `sim`
     kind (a virtual training loop) and `process` (a real command, e.g. a PyTorch
     script that uses the SDK)."""
 
     kind: Literal["sim", "process"] = "sim"
-    steps: int = Field(default=1000, ge=1)
-    step_seconds: float = Field(default=1.0, gt=0)
-    checkpoint_seconds: float = Field(default=0.5, ge=0)
-    argv: list[str] = Field(default_factory=list)
+    steps: Steps = 1000
+    step_seconds: Seconds = Field(default=1.0, gt=0)
+    checkpoint_seconds: Seconds = 0.5
+    argv: Argv = Field(default_factory=list)
 
 
-class Replicas(Wire):
+class Replicas(Public):
     """An inference service's replicas, each with the job's `gpus` shape: `min` are
     placed together or not at all, more up to `max` as capacity allows."""
 
-    min: int = Field(default=1, ge=1, le=1024)
-    max: int = Field(default=1, ge=1, le=1024)
+    min: GpuCount = 1
+    max: GpuCount = 1
 
     @model_validator(mode="after")
     def _ordered(self) -> Replicas:
@@ -174,16 +248,16 @@ class Replicas(Wire):
         return self
 
 
-class SubmitJob(Wire):
-    name: str = Field(min_length=1, max_length=200)
-    team: str = Field(min_length=1, max_length=64)
+class SubmitJob(Public):
+    name: Name = Field(min_length=1)
+    team: Team
     kind: JobKind = JobKind.TRAINING
     priority_class: PriorityClassName = PriorityClassName.P1_NORMAL
     gpus: GpuRequest
-    gang: bool = True
-    checkpointable: bool = True
-    estimated_checkpoint_s: float | None = Field(default=None, ge=0)
-    idempotency_key: str | None = Field(default=None, max_length=200)
+    gang: StrictFlag = True
+    checkpointable: StrictFlag = True
+    estimated_checkpoint_s: Seconds | None = None
+    idempotency_key: Id | None = None
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     # Inference only; None: one replica, placed as the job's one allocation.
     replicas: Replicas | None = None
@@ -194,27 +268,27 @@ class SubmitJob(Wire):
         return check_token(v, "team")
 
 
-class ApiError(Wire):
+class ApiError(Public):
     code: str
     message: str
     # The request field at fault (dotted path), for `invalid` errors.
     field: str | None = None
 
 
-class SubmitReply(Wire):
+class SubmitReply(Public):
     ok: bool
     job_id: str | None = None
     error: ApiError | None = None
 
 
-class GetJob(Wire):
-    job_id: str
+class GetJob(Public):
+    job_id: Id
 
 
 class GpuRef(Wire):
-    node: str
-    index: int = Field(ge=0)
-    model: str
+    node: Id
+    index: GpuIndex
+    model: Name
 
 
 class CheckpointInfo(Wire):
@@ -271,59 +345,59 @@ class JobView(Wire):
     parked_reason: str | None = None
 
 
-class GetReply(Wire):
+class GetReply(Public):
     ok: bool
     job: JobView | None = None
     error: ApiError | None = None
 
 
-class ScaleJob(Wire):
+class ScaleJob(Public):
     """Move an inference service's replica target inside its [min, max]."""
 
-    job_id: str
-    replicas: int
+    job_id: Id
+    replicas: Annotated[int, Strict(), Field(ge=0, le=1024)]
 
 
-class ScaleReply(Wire):
+class ScaleReply(Public):
     ok: bool
     replicas: ReplicaView | None = None
     error: ApiError | None = None
 
 
-class ApproveJob(Wire):
+class ApproveJob(Public):
     """An operator lets a job held above its team's max priority class into the queue."""
 
-    job_id: str
-    operator: str = Field(min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=1000)
+    job_id: Id
+    operator: Name = Field(min_length=1)
+    reason: Reason = ""
 
 
-class ApproveReply(Wire):
+class ApproveReply(Public):
     ok: bool
     error: ApiError | None = None
 
 
-class CancelJob(Wire):
+class CancelJob(Public):
     """End a job: a queued or held job leaves the queue, a running one's workload is
     stopped and its GPUs freed. Its team's own jobs, or any job for an operator."""
 
-    job_id: str
-    operator: str = Field(min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=1000)
+    job_id: Id
+    operator: Name = Field(min_length=1)
+    reason: Reason = ""
 
 
-class CancelReply(Wire):
+class CancelReply(Public):
     ok: bool
     job_id: str | None = None
     state: str | None = None
     error: ApiError | None = None
 
 
-class WhyJob(Wire):
-    job_id: str
+class WhyJob(Public):
+    job_id: Id
 
 
-class WhyReply(Wire):
+class WhyReply(Public):
     """Why a job is where it is, in words (`gpusched why <job>`)."""
 
     ok: bool
@@ -337,22 +411,22 @@ class WhyReply(Wire):
 # Internal: ingest -> everyone
 # ======================================================================================
 class PoolState(Wire):
-    pool: str
-    gpus: int = Field(ge=0)
-    util: float = Field(ge=0.0, le=1.0)
-    reporting_gpus: int = Field(ge=0)
+    pool: Id
+    gpus: Count
+    util: Fraction
+    reporting_gpus: Count
 
 
 class ServiceState(Wire):
-    service: str
-    p99_ms: float
-    queue_depth: int
-    requests: int
+    service: Id
+    p99_ms: Latency
+    queue_depth: Count
+    requests: Count
 
 
 class PoolSnapshot(Wire):
     time: datetime
-    window_s: float
+    window_s: Seconds
     pools: list[PoolState]
     services: list[ServiceState] = Field(default_factory=list)
 
@@ -416,12 +490,12 @@ class GpusReturned(Wire):
 
 
 class InventoryNode(Wire):
-    name: str
-    pool: str
-    gpu_model: str
-    gpus: int
+    name: Id
+    pool: Id
+    gpu_model: Name
+    gpus: Annotated[int, Strict(), Field(ge=0, le=1024)]
     # GPU indices per NVLink island (else NUMA node); empty: the node is one island.
-    gpu_groups: list[list[int]] = Field(default_factory=list)
+    gpu_groups: list[list[GpuIndex]] = Field(default_factory=list)
 
 
 class InventoryLoaded(Wire):
@@ -482,30 +556,52 @@ class NodeVerb(StrEnum):
     LIST = "list"
 
 
-class NodeCommand(Wire):
+class NodeCommand(Public):
     """drain, undrain, fail, recover, remove: one node by name, who asks and why."""
 
-    node: str = Field(min_length=1, max_length=200)
-    operator: str = Field(min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=1000)
+    node: Id
+    operator: Name = Field(min_length=1)
+    reason: Reason = ""
 
 
-class AddNode(Wire):
+# Upper bounds of the sizes in a node spec (AddNode); the inventory parser checks the rest.
+NODE_SPEC_LIMITS: dict[str, int] = {
+    "gpus": 1024,
+    "count": 10_000,
+    "cpu_milli": 10**9,
+    "memory_mib": 2**30,
+    "gpu_memory_mib": 2**30,
+    "disk_gib": 2**30,
+}
+
+
+class AddNode(Public):
     # One entry in the inventory YAML shape (name, pool, gpu_model, gpus, cpu_milli,
     # memory_mib, ...); `count`/`name_prefix` entries add several nodes at once.
-    spec: dict[str, Any]
-    operator: str = Field(min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=1000)
+    spec: Document
+    operator: Name = Field(min_length=1)
+    reason: Reason = ""
+
+    @field_validator("spec")
+    @classmethod
+    def _spec_sizes_bounded(cls, v: dict[str, object]) -> dict[str, object]:
+        # The inventory parser builds one object per GPU and per node: a huge count
+        # would stall admission, so the sizes are bounded here, at the edge.
+        for key, most in NODE_SPEC_LIMITS.items():
+            value = v.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                raise ValueError(f"{key}: at most {most}, got {value}")
+        return v
 
 
-class ReloadInventory(Wire):
+class ReloadInventory(Public):
     """Read the inventory file again and add the nodes it has that the ledger has not."""
 
-    operator: str = Field(min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=1000)
+    operator: Name = Field(min_length=1)
+    reason: Reason = ""
 
 
-class ListNodes(Wire):
+class ListNodes(Public):
     pass
 
 
@@ -521,7 +617,7 @@ class NodeView(Wire):
     allocations: list[str] = Field(default_factory=list)
 
 
-class NodeReply(Wire):
+class NodeReply(Public):
     ok: bool
     nodes: list[NodeView] = Field(default_factory=list)
     # What a reload left alone, in words (nodes stored but no longer in the file).

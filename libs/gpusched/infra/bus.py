@@ -31,6 +31,7 @@ from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import StreamSpec, Subjects
+from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S, printable, read_message
 from gpusched.infra import metrics, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
@@ -163,10 +164,10 @@ class DeadLetters:
 
     async def send(self, msg: Msg, consumer: str, reason: str, error: str) -> None:
         headers = {
-            "Gpusched-Original-Subject": msg.subject,
+            "Gpusched-Original-Subject": printable(msg.subject, 500),
             "Gpusched-Consumer": consumer,
             "Gpusched-Reason": reason,
-            "Gpusched-Error": error[:500],
+            "Gpusched-Error": printable(error, 500),
         }
         dedup_id = _dead_letter_id(msg, self._service, consumer)
         if dedup_id is not None:
@@ -180,8 +181,9 @@ class DeadLetters:
         record = AuditRecord(
             action="message.dead_lettered",
             actor=self._service,
-            entity=msg.subject,
-            reason=f"{reason}: {error}"[:1000],
+            # Subject and error may carry what the edge refused: escaped, bounded.
+            entity=printable(msg.subject, 200),
+            reason=printable(f"{reason}: {error}", 1000),
             details={"consumer": consumer, "bytes": len(msg.data)},
             time=utcnow(),
         )
@@ -238,6 +240,7 @@ class ConsumerRunner:
         fetch_batch: int,
         nak_delay_s: float,
         concurrency: int = 1,
+        max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
     ) -> None:
         self._js = js
         self._c = consumer
@@ -260,6 +263,9 @@ class ConsumerRunner:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._outage = Outage(log, service, f"consumer {consumer.durable}")
+        self._max_skew = max_clock_skew_s
+        # Types outside the public registry that this consumer handles itself.
+        self._own_types = frozenset((*consumer.handlers, *consumer.edge_handlers))
 
     @property
     def concurrency(self) -> int:
@@ -376,7 +382,7 @@ class ConsumerRunner:
         if self._concurrency == 1 or self._c.key is None:
             return _ONE_LANE, None
         try:
-            envelope = Envelope.from_bytes(msg.data)
+            envelope = self._read(msg)
         except MalformedMessage:
             return _ONE_LANE, None
         try:
@@ -399,6 +405,16 @@ class ConsumerRunner:
         self._stopping = True
         self._stopped.set()
 
+    def _read(self, msg: Msg) -> Envelope:
+        """The envelope and its payload, validated once at the edge (contracts.validation)."""
+        return read_message(
+            msg.data,
+            msg.subject,
+            utcnow(),
+            max_clock_skew_s=self._max_skew,
+            also_known=self._own_types,
+        )
+
     async def process(self, msg: Msg, parsed: Envelope | None = None) -> bool:
         """Apply `msg` once and settle it (ack, nak, or dead letter and term).
 
@@ -409,12 +425,13 @@ class ConsumerRunner:
         message_type = "unknown"
         outcome = "applied"
         try:
-            envelope = parsed if parsed is not None else Envelope.from_bytes(msg.data)
+            envelope = parsed if parsed is not None else self._read(msg)
             message_type = envelope.type
             handler = self._c.handlers.get(envelope.type)
             edge_handler = self._c.edge_handlers.get(envelope.type)
             if handler is None and edge_handler is None:
-                # A type this consumer does not apply (e.g. a newer producer's type).
+                # A known type this consumer does not apply; an unknown type or a newer
+                # version than this build reads was dead-lettered by `_read`.
                 outcome = "ignored"
                 await msg.ack()
                 return True

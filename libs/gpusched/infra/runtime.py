@@ -105,6 +105,7 @@ class ServiceRuntime:
                 ack_wait_s=b.ack_wait_s,
                 fetch_batch=b.fetch_batch,
                 nak_delay_s=b.nak_delay_s,
+                max_clock_skew_s=b.max_clock_skew_s,
                 concurrency=b.consumer_concurrency,
             )
         )

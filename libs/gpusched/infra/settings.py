@@ -34,6 +34,14 @@ class BusSettings(Section):
     stream_replicas: int = Field(
         default=1, ge=1, le=5, description="JetStream replicas per stream (3 on a NATS cluster)"
     )
+    max_clock_skew_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "how far ahead of this service's clock a message or sample may be stamped "
+            "before it is dead-lettered (the past is bounded by the stream's max age)"
+        ),
+    )
 
 
 class OutboxSettings(Section):

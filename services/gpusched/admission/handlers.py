@@ -48,6 +48,7 @@ from gpusched.contracts.messages import (
     WorkloadStarted,
     WorkloadStopped,
 )
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, Pool
 from gpusched.domain.quota import usage_of
@@ -116,10 +117,9 @@ class Admission:
     # --- the jobs API (request/reply) ---------------------------------------------------
 
     async def submit(self, raw: bytes) -> SubmitReply:
-        try:
-            job = SubmitJob.model_validate_json(raw)
-        except ValidationError as exc:
-            return SubmitReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        job = parse_request(SubmitJob, raw)
+        if isinstance(job, Invalid):
+            return SubmitReply(ok=False, error=job.error())
         refusal = self._catalog.refusal(job)
         if refusal is not None:
             return await self._intake.submit(Submission(job, utcnow(), refusal=refusal))
@@ -134,10 +134,9 @@ class Admission:
         return await self._intake.submit(Submission(job, utcnow(), tuple(warnings), held))
 
     async def get(self, raw: bytes) -> GetReply:
-        try:
-            request = GetJob.model_validate_json(raw)
-        except ValidationError as exc:
-            return GetReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        request = parse_request(GetJob, raw)
+        if isinstance(request, Invalid):
+            return GetReply(ok=False, error=request.error())
         async with self._uow() as uow:
             try:
                 job = await store.job(uow, request.job_id)
@@ -210,10 +209,9 @@ class Admission:
 
     async def approve(self, raw: bytes) -> ApproveReply:
         """An operator lets a held job into the queue (audited with who and why)."""
-        try:
-            request = ApproveJob.model_validate_json(raw)
-        except ValidationError as exc:
-            return ApproveReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        request = parse_request(ApproveJob, raw)
+        if isinstance(request, Invalid):
+            return ApproveReply(ok=False, error=request.error())
         async with self._uow() as uow:
             # Under the ledger lock, so an approval and a scheduling pass never interleave.
             await self._keeper.read(uow)
@@ -259,10 +257,9 @@ class Admission:
 
     async def why(self, raw: bytes) -> WhyReply:
         """Why a job is where it is, in the scheduler's own terms."""
-        try:
-            request = WhyJob.model_validate_json(raw)
-        except ValidationError as exc:
-            return WhyReply(ok=False, error=refuse(ErrorCode.INVALID, _describe(exc)))
+        request = parse_request(WhyJob, raw)
+        if isinstance(request, Invalid):
+            return WhyReply(ok=False, error=request.error())
         async with self._uow() as uow:
             try:
                 job = await store.job(uow, request.job_id)
@@ -899,14 +896,6 @@ def _not_waiting(job: store.JobRecord) -> list[str]:
 
 def _checkpoint_id(checkpoint: CheckpointInfo | None) -> str | None:
     return None if checkpoint is None else checkpoint.checkpoint_id
-
-
-def _describe(exc: ValidationError) -> str:
-    errors = exc.errors()
-    first = errors[0]
-    where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid')}{more}"
 
 
 def _unreadable_view(row: Any) -> JobView:

@@ -17,7 +17,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
@@ -37,6 +37,7 @@ from gpusched.contracts.messages import (
     ReloadInventory,
     T,
 )
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
 from gpusched.domain.ledger import Ledger, NodeCondition
@@ -45,7 +46,7 @@ from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import is_outage
 
 from . import parking, replicas, store, wire
-from .catalog import Catalog, ErrorCode
+from .catalog import Catalog
 from .keeper import LedgerKeeper
 from .queue import JobState
 
@@ -438,12 +439,10 @@ def _why(operator: str, reason: str, what: str) -> str:
 
 
 def _parse(model: type[M], raw: bytes) -> M | NodeReply:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
-        return _refused(ErrorCode.INVALID, f"{where}: {first.get('msg', 'invalid')}")
+    request = parse_request(model, raw)
+    if isinstance(request, Invalid):
+        return NodeReply(ok=False, error=request.error())
+    return request
 
 
 def _refused(code: StrEnum, message: str) -> NodeReply:

@@ -22,8 +22,6 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TypeVar
 
-from pydantic import ValidationError
-
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import (
     ApiError,
@@ -35,6 +33,7 @@ from gpusched.contracts.messages import (
     T,
     WorkloadStopped,
 )
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 
@@ -267,13 +266,9 @@ class ReplicaOps:
         self._kick = kick
 
     async def scale(self, raw: bytes) -> ScaleReply:
-        try:
-            request = ScaleJob.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
-            message = f"{where}: {first.get('msg', 'invalid')}"
-            return ScaleReply(ok=False, error=refuse(ErrorCode.INVALID, message))
+        request = parse_request(ScaleJob, raw)
+        if isinstance(request, Invalid):
+            return ScaleReply(ok=False, error=request.error())
         async with self._uow() as uow:
             ledger = await self._keeper.hold(uow)
             job = await store.job(uow, request.job_id)

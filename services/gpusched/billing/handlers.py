@@ -13,8 +13,6 @@ from collections.abc import Callable
 from datetime import datetime
 from decimal import Decimal
 
-from pydantic import ValidationError
-
 from gpusched.billing import statement, store
 from gpusched.billing.api import ErrorCode, StatementReply, StatementRequest
 from gpusched.contracts.envelope import Envelope, utcnow
@@ -26,6 +24,7 @@ from gpusched.contracts.messages import (
     GpuRef,
     GpuShare,
 )
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain.pricing import (
     MILLI_PER_GPU,
     PriceBook,
@@ -151,12 +150,11 @@ class StatementEndpoint:
         self._clock = clock
 
     async def __call__(self, raw: bytes) -> StatementReply:
-        try:
-            request = StatementRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
-            return _error(ErrorCode.BAD_REQUEST, f"{where}: {err.get('msg', 'invalid')}")
+        request = parse_request(StatementRequest, raw)
+        if isinstance(request, Invalid):
+            # Billing's published code for a bad request; the field is named as everywhere.
+            error = request.error().model_copy(update={"code": ErrorCode.BAD_REQUEST})
+            return StatementReply(ok=False, error=error)
         now = self._clock()
         async with self._uow() as uow:
             end = request.period_end or now

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
-
 from gpusched.checkpoint import store
 from gpusched.checkpoint.api import (
     GetSaga,
@@ -14,14 +12,9 @@ from gpusched.checkpoint.api import (
     saga_view,
 )
 from gpusched.contracts.messages import ApiError
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain.saga import Stage
 from gpusched.infra.db import UnitOfWorkFactory
-
-
-def _invalid(exc: ValidationError) -> ApiError:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
-    return ApiError(code="invalid_request", message=f"{where}: {err.get('msg', 'invalid')}")
 
 
 class Queries:
@@ -29,10 +22,9 @@ class Queries:
         self._uow = uow
 
     async def latest_checkpoint(self, raw: bytes) -> LatestCheckpointReply:
-        try:
-            request = LatestCheckpoint.model_validate_json(raw)
-        except ValidationError as exc:
-            return LatestCheckpointReply(ok=False, error=_invalid(exc))
+        request = parse_request(LatestCheckpoint, raw)
+        if isinstance(request, Invalid):
+            return LatestCheckpointReply(ok=False, error=request.error())
         min_stage = Stage.SNAPSHOTTED if request.min_stage is None else Stage(request.min_stage)
         async with self._uow() as uow:
             entry = await store.latest_checkpoint(uow, request.job_id, min_stage)
@@ -43,10 +35,9 @@ class Queries:
         )
 
     async def get_saga(self, raw: bytes) -> GetSagaReply:
-        try:
-            request = GetSaga.model_validate_json(raw)
-        except ValidationError as exc:
-            return GetSagaReply(ok=False, error=_invalid(exc))
+        request = parse_request(GetSaga, raw)
+        if isinstance(request, Invalid):
+            return GetSagaReply(ok=False, error=request.error())
         async with self._uow() as uow:
             if request.saga_id is not None:
                 saga = await store.get_saga(uow, request.saga_id)

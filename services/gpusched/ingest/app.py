@@ -46,7 +46,9 @@ async def build(rt: ServiceRuntime) -> None:
 
     async def snapshot_tick() -> None:
         async with rt.uow() as uow:
-            await handlers.publish_snapshot(uow, settings, utcnow())
+            await handlers.publish_snapshot(
+                uow, settings, utcnow(), rt.settings.bus.max_clock_skew_s
+            )
             await uow.commit()
 
     rt.every("pool-snapshot", settings.snapshot_interval_s, snapshot_tick, singleton=True)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
+from prometheus_client import Counter
+from pydantic import ValidationError
+
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import (
     AllocationReleased,
@@ -20,8 +23,10 @@ from gpusched.contracts.messages import (
     ServiceState,
     T,
 )
+from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S
 from gpusched.domain.inventory import GpuRef
 from gpusched.infra.db import UnitOfWork
+from gpusched.infra.errors import Rejected
 from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import rollup, store
 
@@ -29,10 +34,31 @@ log = logging.getLogger(__name__)
 
 NAME = "ingest"
 
+SET_ASIDE = Counter(
+    "gpusched_ingest_set_aside_total",
+    "stored readings or services the snapshot loop skipped because they were unusable",
+    ["kind"],
+)
+
+
+class UnknownNode(Exception):
+    """A sample from a node the inventory does not (yet) hold. Not Rejected: the
+    inventory event may simply not have been applied yet, so it is retried, and
+    dead-lettered once its redeliveries are spent."""
+
 
 # --- telemetry ----------------------------------------------------------------------------
 async def on_gpu_sample(envelope: Envelope, uow: UnitOfWork) -> None:
-    await store.add_gpu_sample(uow, envelope.payload(GpuSample))
+    sample = envelope.payload(GpuSample)
+    gpus = await store.node_gpus(uow, sample.node)
+    if gpus is None:
+        raise UnknownNode(f"node {sample.node!r} is not in the inventory")
+    beyond = sorted(g.index for g in sample.gpus if g.index >= gpus)
+    if beyond:
+        raise Rejected(
+            f"node {sample.node!r} has {gpus} GPUs: no GPU index {', '.join(map(str, beyond))}"
+        )
+    await store.add_gpu_sample(uow, sample)
 
 
 async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -50,7 +76,7 @@ async def on_inventory_changed(envelope: Envelope, uow: UnitOfWork) -> None:
     if changed.change in (NodeChange.ADDED, NodeChange.RECOVERED):
         await store.add_node(uow, changed.node)
     elif changed.change in (NodeChange.FAILED, NodeChange.REMOVED):
-        await store.remove_node(uow, changed.node.name)
+        await store.remove_node(uow, changed.node.name, forget=changed.change is NodeChange.REMOVED)
 
 
 async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -78,17 +104,27 @@ async def on_gpus_returned(envelope: Envelope, uow: UnitOfWork) -> None:
 
 # --- the snapshot loop --------------------------------------------------------------------
 async def publish_snapshot(
-    uow: UnitOfWork, settings: IngestSettings, now: datetime
+    uow: UnitOfWork,
+    settings: IngestSettings,
+    now: datetime,
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
 ) -> PoolSnapshot | None:
     """Prune what left the window, roll up what is in it, emit one pool snapshot.
 
     Nothing is emitted while no GPU and no service reported: an empty snapshot would
-    read as an idle cluster.
+    read as an idle cluster. A reading or a service that cannot be used (a value the
+    edge would refuse today, e.g. a row stored before it did) is set aside, logged and
+    counted: one bad row or service never blinds the controller.
     """
     since = rollup.window_start(now, settings.window_s)
     stale = now - timedelta(seconds=max(settings.window_s, settings.stale_after_s))
-    await store.prune(uow, samples_before=since, stats_before=stale)
-    means = rollup.gpu_means(await store.readings_since(uow, since), now, settings.window_s)
+    future = now + timedelta(seconds=max_clock_skew_s)
+    await store.prune(uow, samples_before=since, stats_before=stale, after=future)
+    readings, bad_readings = rollup.usable_readings(await store.readings_since(uow, since))
+    if bad_readings:
+        SET_ASIDE.labels("gpu_reading").inc(bad_readings)
+        log.warning("set aside %d unusable GPU readings", bad_readings)
+    means = rollup.gpu_means(readings, now, settings.window_s)
     pools = rollup.pool_utilization(await store.members(uow), means)
     services = rollup.live_services(
         await store.latest_service_stats(uow), now, settings.stale_after_s
@@ -102,12 +138,25 @@ async def publish_snapshot(
             PoolState(pool=p.pool, gpus=p.gpus, util=p.util, reporting_gpus=p.reporting_gpus)
             for p in pools
         ],
-        services=[
-            ServiceState(
-                service=s.service, p99_ms=s.p99_ms, queue_depth=s.queue_depth, requests=s.requests
-            )
-            for s in services
-        ],
+        services=_service_states(services),
     )
     await uow.emit(uow.subjects.event(NAME, T.POOL_SNAPSHOT), T.POOL_SNAPSHOT, snapshot)
     return snapshot
+
+
+def _service_states(services: tuple[rollup.ServiceReading, ...]) -> list[ServiceState]:
+    states: list[ServiceState] = []
+    for s in services:
+        try:
+            states.append(
+                ServiceState(
+                    service=s.service,
+                    p99_ms=s.p99_ms,
+                    queue_depth=s.queue_depth,
+                    requests=s.requests,
+                )
+            )
+        except ValidationError as exc:
+            SET_ASIDE.labels("service").inc()
+            log.warning("set aside service %r: its latest stats are unusable: %s", s.service, exc)
+    return states

@@ -15,8 +15,9 @@ Conventions (also the snapshot's contract):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -30,6 +31,7 @@ __all__ = [
     "gpu_means",
     "live_services",
     "pool_utilization",
+    "usable_readings",
     "window_start",
 ]
 
@@ -75,6 +77,12 @@ class ServiceReading:
     p99_ms: float
     queue_depth: int
     requests: int
+
+
+def usable_readings(readings: Sequence[Reading]) -> tuple[list[Reading], int]:
+    """The readings whose utilization is a finite fraction, and how many were not."""
+    usable = [r for r in readings if math.isfinite(r.util) and 0.0 <= r.util <= 1.0]
+    return usable, len(readings) - len(usable)
 
 
 def window_start(now: datetime, window_s: float) -> datetime:

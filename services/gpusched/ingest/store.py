@@ -40,6 +40,12 @@ async def load_inventory(uow: UnitOfWork, nodes: Sequence[InventoryNode]) -> Non
         "ON CONFLICT (node, idx) DO UPDATE SET pool = EXCLUDED.pool",
         {"nodes": names, "idx": indexes, "pools": pools},
     )
+    await uow.execute(f"DELETE FROM {s}.nodes")
+    await uow.execute(
+        f"INSERT INTO {s}.nodes (name, gpus) "
+        "SELECT * FROM unnest(CAST(:names AS text[]), CAST(:gpus AS int[]))",
+        {"names": [node.name for node in nodes], "gpus": [node.gpus for node in nodes]},
+    )
 
 
 async def add_node(uow: UnitOfWork, node: InventoryNode) -> None:
@@ -50,11 +56,28 @@ async def add_node(uow: UnitOfWork, node: InventoryNode) -> None:
         "ON CONFLICT (node, idx) DO UPDATE SET pool = EXCLUDED.pool",
         {"node": node.name, "pool": node.pool, "gpus": node.gpus},
     )
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.nodes (name, gpus) VALUES (:node, :gpus) "
+        "ON CONFLICT (name) DO UPDATE SET gpus = EXCLUDED.gpus",
+        {"node": node.name, "gpus": node.gpus},
+    )
 
 
-async def remove_node(uow: UnitOfWork, name: str) -> None:
-    """A node failed or was removed: its GPUs leave every pool count."""
+async def remove_node(uow: UnitOfWork, name: str, *, forget: bool) -> None:
+    """A node failed or was removed: its GPUs leave every pool count. A removed node is
+    forgotten too (its samples are refused from then on); a failed one stays known."""
     await uow.execute(f"DELETE FROM {uow.schema}.gpu_pool WHERE node = :node", {"node": name})
+    if forget:
+        await uow.execute(f"DELETE FROM {uow.schema}.nodes WHERE name = :node", {"node": name})
+
+
+async def node_gpus(uow: UnitOfWork, name: str) -> int | None:
+    """How many GPUs a node of the inventory has (None: not in the inventory)."""
+    rows = await uow.execute(
+        f"SELECT gpus FROM {uow.schema}.nodes WHERE name = :node", {"node": name}
+    )
+    row = rows.first()
+    return None if row is None else int(row.gpus)
 
 
 async def mark_lent(
@@ -137,10 +160,20 @@ async def add_service_stats(uow: UnitOfWork, stats: InferenceStats) -> None:
     )
 
 
-async def prune(uow: UnitOfWork, samples_before: datetime, stats_before: datetime) -> None:
+async def prune(
+    uow: UnitOfWork, samples_before: datetime, stats_before: datetime, after: datetime
+) -> None:
+    """Drop what left the window, and anything stamped after `after` (beyond the clock
+    skew the edge accepts): a bogus future timestamp cannot keep a row alive."""
     s = uow.schema
-    await uow.execute(f"DELETE FROM {s}.samples WHERE time <= :t", {"t": samples_before})
-    await uow.execute(f"DELETE FROM {s}.service_stats WHERE time <= :t", {"t": stats_before})
+    await uow.execute(
+        f"DELETE FROM {s}.samples WHERE time <= :t OR time > :after",
+        {"t": samples_before, "after": after},
+    )
+    await uow.execute(
+        f"DELETE FROM {s}.service_stats WHERE time <= :t OR time > :after",
+        {"t": stats_before, "after": after},
+    )
 
 
 async def readings_since(uow: UnitOfWork, since: datetime) -> list[Reading]:
