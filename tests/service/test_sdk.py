@@ -343,3 +343,19 @@ def test_a_torch_checkpoint_restores_model_optimizer_and_rng_so_training_continu
     got = resumed.state_dict()  # type: ignore[attr-defined]
     assert step == 12
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+async def test_a_nan_metric_or_a_coloured_traceback_never_stops_the_loop_nor_its_report(
+    servers: Servers, prefix: str, control: ControlPlane
+) -> None:
+    async with AsyncJobClient(servers.nats_url, "job-hostile", 1, prefix=prefix) as job:
+        await job.progress(3, loss=float("nan"), lr=0.1, grad_norm=float("inf"))
+        await job.failed("Traceback\x1b[31m boom\x00 \u202eevil")
+
+    progress, failed = await control.events("job-hostile", 2)
+    assert progress.type == T.JOB_PROGRESS
+    assert progress.data == {"step": 3, "lr": 0.1}
+    assert failed.type == T.JOB_FAILED
+    error = failed.data["error"]
+    assert error.startswith("Traceback") and "boom" in error
+    assert not any(ch in error for ch in "\x1b\x00\u202e")

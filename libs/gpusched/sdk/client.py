@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
@@ -39,13 +40,14 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import Error as JetStreamError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import StageName, T
 from gpusched.contracts.subjects import Subjects
+from gpusched.contracts.validation import printable
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
@@ -75,6 +77,8 @@ CheckpointCallback = Callable[[CheckpointRequest], MaybeAwaitable[None]]
 # Bounded waits on the network: the first connect, and each control-plane request.
 _CONNECT_TIMEOUT_S = 5.0
 _REQUEST_TIMEOUT_S = 5.0
+# Error texts travel made printable (no control characters) and bounded.
+_ERROR_MAX = 2000
 # How often the server signals an idle control consumer is alive; two missed beats and
 # the client recreates the consumer (it is lost when NATS restarts).
 _CONTROL_HEARTBEAT_S = 1.0
@@ -251,7 +255,18 @@ class AsyncJobClient:
         )
 
     async def progress(self, step: int, **metrics: Any) -> None:
-        progress = wire.JobProgress.model_validate({**metrics, "step": step})
+        """Report `step` and any metrics. A metric the contract refuses (NaN or an
+        infinite loss, a value that is not JSON) is left out, never raised to the loop."""
+        finite = {
+            name: value
+            for name, value in metrics.items()
+            if not (isinstance(value, float) and not math.isfinite(value))
+        }
+        try:
+            progress = wire.JobProgress.model_validate({**finite, "step": step})
+        except ValidationError as exc:
+            log.warning("job %s: progress metrics left out: %s", self.job_id, exc.errors()[0])
+            progress = wire.JobProgress(step=step)
         # Progress is superseded by newer progress: the first thing a full buffer drops.
         await self._publish(T.JOB_PROGRESS, progress, droppable=True)
 
@@ -298,7 +313,7 @@ class AsyncJobClient:
     ) -> None:
         await self._publish(
             T.CHECKPOINT_FAILED,
-            wire.CheckpointFailed(request_id=request_id, error=error[:2000]),
+            wire.CheckpointFailed(request_id=request_id, error=printable(error, _ERROR_MAX)),
             causation_id=causation_id,
         )
 
@@ -306,7 +321,9 @@ class AsyncJobClient:
         await self._publish(T.JOB_COMPLETED, wire.JobCompleted(job_id=self.job_id, step=step))
 
     async def failed(self, error: str) -> None:
-        await self._publish(T.JOB_FAILED, wire.JobFailed(job_id=self.job_id, error=error[:2000]))
+        await self._publish(
+            T.JOB_FAILED, wire.JobFailed(job_id=self.job_id, error=printable(error, _ERROR_MAX))
+        )
 
     # --- control messages ---------------------------------------------------------------
     @property
