@@ -190,11 +190,17 @@ async def _run_suite(
             lost = [job for job, row in ended.items() if row.state != "completed"]
             assert not lost, f"jobs running at {name} did not finish: {lost}"
             again = sum(1 for job, row in ended.items() if row.attempt > jobs[job])
-            from_checkpoint = sum(1 for job, row in ended.items() if row.resume_from)
+            from_checkpoint = sum(
+                1 for job, row in ended.items() if row.attempt > jobs[job] and row.resume_from
+            )
             progress(
                 f"{name}: {len(ended)} running jobs all finished; {again} in a new attempt "
                 f"({from_checkpoint} from a checkpoint), {len(ended) - again} kept running"
             )
+            if again:
+                # Work saved before the fault is not thrown away: some of the jobs that
+                # had to start again (long ones save every 20 steps) resumed from it.
+                assert from_checkpoint, f"{name}: no interrupted job resumed from a checkpoint"
         assert not failed, f"{len(failed)} jobs failed: {failed[:10]}"
         progress(f"{len(rows)} jobs, {len(load.acked)} acknowledged: none lost, none doubled")
 

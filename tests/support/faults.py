@@ -349,6 +349,9 @@ class Load:
                 steps=steps or (self.long_steps if long else self.short_steps),
                 step_seconds=self.step_seconds,
                 checkpoint_seconds=0.1,
+                # Long jobs save as real training does, so an interrupted one resumes
+                # from its newest checkpoint instead of from step 0.
+                checkpoint_every_steps=20 if long else None,
             ),
         )
 

@@ -231,6 +231,9 @@ class WorkloadSpec(Public):
     steps: Steps = 1000
     step_seconds: Seconds = Field(default=1.0, gt=0)
     checkpoint_seconds: Seconds = 0.5
+    # A `sim` loop also saves (and confirms) a checkpoint every this many steps, as real
+    # jobs do periodically: a crash of its node or agent then loses at most that much.
+    checkpoint_every_steps: Steps | None = None
     argv: Argv = Field(default_factory=list)
 
 

@@ -170,7 +170,7 @@ class SimWorkload:
         self._step = step
         clock = asyncio.get_running_loop()
         next_step_at = clock.time() + loop.step_interval_s
-        reported = step
+        reported = last_saved = step
         while not loop.is_done(step):
             message = await job.next_control(max(0.0, next_step_at - clock.time()))
             if isinstance(message, CheckpointRequest):
@@ -188,6 +188,11 @@ class SimWorkload:
                 step += 1
                 next_step_at += loop.step_interval_s
             self._step = step
+            periodic = self._start.workload.checkpoint_every_steps
+            if periodic and step // periodic > last_saved // periodic and not loop.is_done(step):
+                last_saved = step
+                await self._checkpoint(None, step)
+                next_step_at = clock.time() + loop.step_interval_s
             every = loop.progress_every
             if step != reported and (step // every > reported // every or loop.is_done(step)):
                 reported = step
