@@ -200,6 +200,9 @@ async def test_a_queued_job_is_cancelled_at_once_and_never_placed(
     assert again["ok"] is False and again["error"]["code"] == "conflict"
     unknown = await cancel(client, "job-000000000000")
     assert unknown["ok"] is False and unknown["error"]["code"] == "not_found"
+    hostile = await cancel(client, "job-\u202e0000")
+    assert hostile["ok"] is False
+    assert (hostile["error"]["code"], hostile["error"]["field"]) == ("invalid", "job_id")
 
 
 async def test_a_running_job_is_evicted_by_force_and_cancelled_when_its_workload_stops(

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 
-from pydantic import ValidationError
-
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import ApiError, CancelJob, CancelReply, EvictWorkload, T
+from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 
 from . import parking, store
@@ -48,13 +47,9 @@ class CancelOps:
         self._kick = kick
 
     async def cancel(self, raw: bytes) -> CancelReply:
-        try:
-            request = CancelJob.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ())) or "(body)"
-            message = f"{where}: {first.get('msg', 'invalid')}"
-            return CancelReply(ok=False, error=refuse(ErrorCode.INVALID, message))
+        request = parse_request(CancelJob, raw)
+        if isinstance(request, Invalid):
+            return CancelReply(ok=False, error=request.error())
         async with self._uow() as uow:
             # The ledger lock: a cancel and a scheduling pass never interleave.
             await self._keeper.read(uow)
