@@ -77,6 +77,12 @@ class StackNotReady(RuntimeError):
     """The stack did not become ready in time; the message says what is missing."""
 
 
+# How long a service gets to stop by itself before it is killed. Every step of a
+# service's shutdown is bounded; the agent's is the longest (its jobs checkpoint within
+# 3 s, their reports and buffered events get a few more, then the runtime drains).
+SERVICE_STOP_S = 20.0
+
+
 def service_migrations(service: str) -> Path | None:
     module = importlib.import_module(f"gpusched.{service}.app")
     assert module.__file__ is not None
@@ -507,7 +513,7 @@ class Stack:
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join()
         if self.supervisor is not None:
-            self.supervisor.stop()
+            self.supervisor.stop(SERVICE_STOP_S)
         for watched in reversed(list(self._servers.values())):
             watched.server.stop()
         lock, self._lock = self._lock, None
