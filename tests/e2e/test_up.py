@@ -310,8 +310,11 @@ def test_up_gives_up_on_a_crash_looping_service_in_one_line_and_exits_1(
     tmp_path: Path, data_dir: Path
 ) -> None:
     env = _clean_env(data_dir)
-    # Admission cannot start without its inventory: it dies at every start.
-    env["GPUSCHED_ADMISSION__INVENTORY_PATH"] = str(tmp_path / "missing.yaml")
+    # Admission cannot start with an invalid inventory: it dies at every start (a
+    # missing file is caught before anything starts, see below).
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("nodes: 5\n")
+    env["GPUSCHED_ADMISSION__INVENTORY_PATH"] = str(broken)
 
     started = time.monotonic()
     done = _gpusched("up", "--log-dir", str(tmp_path / "logs"), env=env, timeout=150)
@@ -324,3 +327,38 @@ def test_up_gives_up_on_a_crash_looping_service_in_one_line_and_exits_1(
     assert str(tmp_path / "logs" / "admission.log") in lines[0]
     assert "Traceback" not in done.stdout + done.stderr
     assert _stack_file(data_dir)["running"] is False
+
+
+def test_a_value_the_contract_refuses_is_one_line_naming_the_field(tmp_path: Path) -> None:
+    env = _clean_env(tmp_path / "nowhere")
+    for argv, line in [
+        (["--gpus", "0"], "gpusched: invalid count: Input should be greater than or equal to 1"),
+        (["--gpus", "1", "--milli", "2000"], "gpusched: invalid milli: "),
+        (["--gpus", "1", "--name", "a\x01b"], "gpusched: invalid name: control character U+0001"),
+    ]:
+        done = _gpusched("submit", "--name", "x", "--team", "t", *argv, env=env)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(line), done.stderr
+    done = _gpusched(
+        "submit", "--name", "x", "--team", "t", "--gpus", "1", "--replicas", "5:2", env=env
+    )
+    assert done.returncode == 2
+    assert "replicas.min (5) must not exceed replicas.max (2)" in done.stderr
+    assert "pydantic" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_up_outside_the_repository_names_the_missing_file_and_starts_nothing(
+    tmp_path: Path,
+) -> None:
+    env = _clean_env(tmp_path / "data")
+    env["GPUSCHED_BILLING__PRICE_BOOK_PATH"] = str(tmp_path / "no-prices.yaml")
+
+    done = _gpusched("up", env=env)
+
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"gpusched: the price book {tmp_path / 'no-prices.yaml'} does not exist (relative to "
+        f"{REPO}); set GPUSCHED_BILLING__PRICE_BOOK_PATH or start gpusched from the "
+        "repository's directory"
+    ]
+    assert not (tmp_path / "data" / "nats").exists()

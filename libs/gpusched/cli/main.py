@@ -37,8 +37,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpusched.cli import cancel, nodes, replicas
 from gpusched.cli.client import (
+    EXIT_USAGE,
     ApiClient,
     CliError,
     connect_nats,
@@ -46,7 +49,14 @@ from gpusched.cli.client import (
     require_nats_url,
     stack_settings,
 )
-from gpusched.cli.stack import SERVICES, Stack, StackNotReady, StackRunning, prepare
+from gpusched.cli.stack import (
+    SERVICES,
+    Stack,
+    StackNotReady,
+    StackRunning,
+    missing_files,
+    prepare,
+)
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import (
     ApproveJob,
@@ -59,6 +69,7 @@ from gpusched.contracts.messages import (
     WhyReply,
 )
 from gpusched.contracts.subjects import Subjects
+from gpusched.contracts.validation import first_error
 from gpusched.infra.settings import Settings
 
 
@@ -82,6 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except ValidationError as exc:
+        # A value given on the command line (or in a file it names) breaks the contract.
+        if debug:
+            traceback.print_exc()
+        field, message = first_error(exc)
+        print(f"gpusched: invalid {field}: {message}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:
         # Users never see a traceback unless they ask for one.
         if debug:
@@ -192,6 +210,10 @@ def _up(args: argparse.Namespace) -> int:
         except StackRunning as exc:
             print(f"gpusched: {exc}", file=sys.stderr)
             return 1
+        missing = missing_files(settings)
+        if missing:
+            print(f"gpusched: {missing[0]}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
         resolved = stack.start()
         try:

@@ -6,8 +6,11 @@ import argparse
 import asyncio
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpusched.cli.client import ApiClient
 from gpusched.contracts.messages import Replicas, ScaleJob, ScaleReply
+from gpusched.contracts.validation import first_error
 from gpusched.infra.settings import Settings
 
 
@@ -23,8 +26,11 @@ def parse_range(text: str) -> Replicas:
     low, _, high = text.partition(":")
     try:
         return Replicas(min=int(low), max=int(high or low))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"replicas {text!r}: use N or MIN:MAX ({exc})") from None
+    except ValidationError as exc:
+        _, message = first_error(exc)
+        raise argparse.ArgumentTypeError(f"replicas {text!r}: {message}") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"replicas {text!r}: use N or MIN:MAX") from None
 
 
 def _scale(args: argparse.Namespace) -> int:

@@ -83,6 +83,23 @@ class StackNotReady(RuntimeError):
 SERVICE_STOP_S = 20.0
 
 
+def missing_files(settings: Settings) -> list[str]:
+    """The configuration files the services read at start that do not exist, each in one
+    line naming its setting: checked before anything starts, so a wrong working
+    directory is one clear error instead of a service crash-looping."""
+    files = [
+        (settings.admission.inventory_path, "GPU inventory", "GPUSCHED_ADMISSION__INVENTORY_PATH"),
+        (settings.billing.price_book_path, "price book", "GPUSCHED_BILLING__PRICE_BOOK_PATH"),
+        (settings.admission.quotas_path, "quotas file", "GPUSCHED_ADMISSION__QUOTAS_PATH"),
+    ]
+    return [
+        f"the {what} {path} does not exist (relative to {Path.cwd()}); set {setting} or "
+        "start gpusched from the repository's directory"
+        for path, what, setting in files
+        if path is not None and not Path(path).is_file()
+    ]
+
+
 def service_migrations(service: str) -> Path | None:
     module = importlib.import_module(f"gpusched.{service}.app")
     assert module.__file__ is not None
