@@ -8,10 +8,17 @@
 
 Each test gets its own database and its own subject prefix (so its own streams), so
 tests run in any order and repeatedly.
+
+The embedded NATS authenticates every client, as `gpusched up`'s does (infra.natsauth):
+each test's services connect with their own identities for the test's prefix, and the
+test itself with the harness identity (`servers.nats_options`), which may do anything in
+the service account. An external NATS (GPUSCHED_TEST_NATS_URL) is used without auth
+unless GPUSCHED_TEST_NATS_AUTH_DIR names the bundle its server includes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -19,13 +26,19 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import nats
 import pytest
 
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra import bus, natsauth
 from gpusched.infra.db import asyncpg_dsn
 from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres
-from gpusched.infra.settings import Settings
+from gpusched.infra.natsauth import AuthBundle
+from gpusched.infra.settings import SecuritySettings, Settings
+from tests.support.identity import HARNESS, write_harness
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +47,14 @@ REPO = Path(__file__).resolve().parents[1]
 class Servers:
     nats_url: str
     admin_database_url: str  # a database we may CREATE DATABASE from
+    auth: AuthBundle | None = None
+
+    @property
+    def nats_options(self) -> dict[str, Any]:
+        """nats.connect options of the test itself (the harness identity)."""
+        return natsauth.connect_options(
+            None if self.auth is None else self.auth.creds_path(HARNESS)
+        )
 
 
 def _with_database(url: str, database: str) -> str:
@@ -55,15 +76,21 @@ def servers() -> Iterator[Servers]:
             from tests.support.containers import start_containers
 
             nats_url, db_url, containers = start_containers(nats_url, db_url)
+        auth: AuthBundle | None = None
+        if external_auth := os.environ.get("GPUSCHED_TEST_NATS_AUTH_DIR"):
+            auth = AuthBundle.load(Path(external_auth))
+            write_harness(auth)
         if not nats_url:
-            nats = EmbeddedNats(scratch / "nats")
+            auth = AuthBundle.create(scratch / "auth")
+            write_harness(auth)
+            nats = EmbeddedNats(scratch / "nats", auth_config=auth.server_config)
             nats_url = nats.start()
             stack.append(nats)
         if not db_url:
             pg = EmbeddedPostgres(scratch / "pg")
             db_url = pg.start()
             stack.append(pg)
-        yield Servers(nats_url, db_url)
+        yield Servers(nats_url, db_url, auth)
     finally:
         for server in reversed(stack):
             server.stop()
@@ -93,11 +120,41 @@ async def database_url(servers: Servers) -> AsyncIterator[str]:
         await admin.close()
 
 
+async def install(servers: Servers, prefix: str, into: Path) -> SecuritySettings:
+    """What `gpusched up` does for a prefix: its streams, made by the installer, and the
+    credentials of every service (in `into`); the security settings that use them."""
+    nc = await nats.connect(servers.nats_url, **servers.nats_options)
+    try:
+        await bus.ensure_streams(nc.jetstream(), Subjects(prefix).streams())
+    finally:
+        await nc.close()
+    if servers.auth is None:
+        return SecuritySettings()
+    bundle = dataclasses.replace(servers.auth, root=into)
+    natsauth.write_installation(bundle, Subjects(prefix))
+    write_harness(bundle)
+    return SecuritySettings(
+        auth_dir=into,
+        clients_account=servers.auth.clients_account_id,
+        job_signing_key=servers.auth.job_issuer_path,
+    )
+
+
 @pytest.fixture
-def settings(servers: Servers, database_url: str, prefix: str, tmp_path: Path) -> Settings:
+async def settings(servers: Servers, database_url: str, prefix: str, tmp_path: Path) -> Settings:
+    """One service's settings. Service tests drive a service through its own connection
+    (they play its peers on it), so it runs as the harness here; the services' own
+    identities are exercised by the stack tests (tests/e2e) and tests/security."""
+    security = await install(servers, prefix, tmp_path / "auth")
     return Settings(
         nats_url=servers.nats_url,
+        nats_credentials=harness_credentials_in(security),
         database_url=database_url,
         subject_prefix=prefix,
         data_dir=tmp_path / "data",
+        security=security,
     )
+
+
+def harness_credentials_in(security: SecuritySettings) -> Path | None:
+    return None if security.auth_dir is None else security.auth_dir / "creds" / f"{HARNESS}.creds"

@@ -56,6 +56,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually, stream_messages_after
 
 GRACE_S = 2.0
@@ -173,7 +174,7 @@ async def chaos(checkpoint_stack: Stack, tmp_path: Path) -> AsyncIterator[Chaos]
     assert settings.nats_url
     s = Subjects(settings.subject_prefix)
     bus = Bus()
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.nats_url, **harness_options(settings))
     await nc.subscribe(f"{s.prefix}.>", cb=bus.on_message)
     try:
         yield Chaos(checkpoint_stack, nc, nc.jetstream(), s, bus, tmp_path / "checkpoints")

@@ -19,6 +19,7 @@ from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import PriorityClassName, T
 from gpusched.infra.settings import Settings
 from tests.e2e.test_main_flow import FAST, Cluster, cluster_on, start_stack
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually
 
 WINDOWS = {
@@ -66,7 +67,7 @@ async def test_a_surge_held_for_its_window_is_absorbed_then_the_gpus_return_and_
 ) -> None:
     assert cluster.settings.nats_url
     audit = Audit()
-    nc = await nats.connect(cluster.settings.nats_url)
+    nc = await nats.connect(cluster.settings.nats_url, **harness_options(cluster.settings))
     await nc.subscribe(f"{cluster.subjects.prefix}.audit.>", cb=audit.on_message)
     try:
         offline = await cluster.submit("offline", PriorityClassName.P2_OFFLINE, 8)

@@ -26,6 +26,7 @@ from gpusched.contracts.messages import GpuRequest, PriorityClassName, SubmitJob
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
 from gpusched.simcluster.demand import SIM_DEMAND, InferenceDemand
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually
 
 FAST = {
@@ -141,7 +142,7 @@ async def cluster_on(settings: Settings) -> AsyncIterator[Cluster]:
     assert settings.nats_url
     subjects = Subjects(settings.subject_prefix)
     recorder = Recorder()
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.nats_url, **harness_options(settings))
     for subject in (
         f"{subjects.prefix}.evt.>",
         f"{subjects.prefix}.cmd.>",
@@ -149,7 +150,9 @@ async def cluster_on(settings: Settings) -> AsyncIterator[Cluster]:
     ):
         await nc.subscribe(subject, cb=recorder.on_message)
     try:
-        async with ApiClient(settings.nats_url, settings.subject_prefix) as api:
+        async with ApiClient(
+            settings.nats_url, settings.subject_prefix, credentials=settings.nats_credentials
+        ) as api:
             await api.wait_until_serving()
             yield Cluster(settings, api, nc, recorder, subjects)
     finally:

@@ -262,7 +262,9 @@ async def test_a_stack_brings_back_a_killed_server_and_service_and_counts_the_re
 
         assert stack.settings.database_url == pg_port
         await stack.wait_until_ready(120)
-        async with ApiClient(stack.settings.nats_url or "", "upfault") as api:
+        async with ApiClient(
+            stack.settings.nats_url or "", "upfault", credentials=stack.settings.nats_credentials
+        ) as api:
             await api.wait_until_serving()
         assert stack.failure is None
     finally:

@@ -36,6 +36,7 @@ from tests.support.admission import (
     start_admission,
     with_inventory,
 )
+from tests.support.identity import harness_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +55,7 @@ async def admission(module_settings: Settings) -> AsyncIterator[Admission]:
 @pytest.fixture(scope="module")
 async def client(module_settings: Settings, admission: Admission) -> AsyncIterator[Client]:
     assert module_settings.nats_url is not None
-    nc = await nats.connect(module_settings.nats_url)
+    nc = await nats.connect(module_settings.nats_url, **harness_options(module_settings))
     yield Client(nc, nc.jetstream(), Subjects(module_settings.subject_prefix))
     await nc.drain()
 

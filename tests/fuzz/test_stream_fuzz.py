@@ -41,6 +41,7 @@ from tests.fuzz.strategies import (
     to_json,
 )
 from tests.support.admission import SMALL_CLUSTER, start_admission, with_inventory
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually, stream_messages_after
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,7 +130,7 @@ async def cluster(module_settings: Settings) -> AsyncIterator[Cluster]:
                 await asyncio.wait_for(task, 20)
 
             stack.push_async_callback(stop)
-        nc = await nats.connect(module_settings.nats_url)
+        nc = await nats.connect(module_settings.nats_url, **harness_options(module_settings))
         stack.push_async_callback(nc.drain)
         yield Cluster(settings, nc, runtimes)
 

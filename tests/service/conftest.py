@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from tests.support.admission import Admission, Client, start_admission
+from tests.support.identity import harness_options
 
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
@@ -32,6 +33,6 @@ def client_class() -> type[Client]:
 @pytest.fixture
 async def client(admission_settings: Settings, client_class: type[Client]) -> AsyncIterator[Client]:
     assert admission_settings.nats_url is not None
-    nc = await nats.connect(admission_settings.nats_url)
+    nc = await nats.connect(admission_settings.nats_url, **harness_options(admission_settings))
     yield client_class(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
     await nc.drain()

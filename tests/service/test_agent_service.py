@@ -16,6 +16,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 from pydantic import BaseModel
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.agent.app import start_agent
@@ -431,7 +432,7 @@ async def test_stopping_the_agent_service_leaves_no_process_behind_and_reports_i
 
     assert processes_of("job-11") == []
     assert settings.nats_url is not None
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.nats_url, **harness_options(settings))
     try:
         subject = cluster.s.event("agent", T.WORKLOAD_STOPPED)
         [msg] = await stream_messages(nc.jetstream(), subject, 1)

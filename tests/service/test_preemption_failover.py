@@ -22,6 +22,7 @@ import nats
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually
 
 from gpusched.cli.stack import prepare
@@ -81,7 +82,7 @@ async def hot_load(settings: Settings) -> None:
     """A steady surge, as ingest would report it, four times a second."""
     assert settings.nats_url
     subject = Subjects(settings.subject_prefix).event("ingest", T.POOL_SNAPSHOT)
-    nc = await nats.connect(settings.nats_url)
+    nc = await nats.connect(settings.nats_url, **harness_options(settings))
     try:
         js = nc.jetstream()
         while True:

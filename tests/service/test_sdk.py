@@ -84,7 +84,7 @@ class ControlPlane:
 
 @pytest.fixture
 async def control(servers: Servers, prefix: str) -> AsyncIterator[ControlPlane]:
-    nc = await nats.connect(servers.nats_url)
+    nc = await nats.connect(servers.nats_url, **servers.nats_options)
     subjects = Subjects(prefix)
     await bus.ensure_streams(nc.jetstream(), subjects.streams())
     yield ControlPlane(nc, subjects)

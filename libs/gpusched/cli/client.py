@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import socket
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -20,7 +21,8 @@ from nats.aio.client import Client as NatsClient
 from gpusched.cli.stackfile import StackFileError, read_stack_file, stack_file_path
 from gpusched.contracts.messages import GetJob, GetReply, SubmitJob, SubmitReply
 from gpusched.contracts.subjects import Subjects
-from gpusched.infra import tracing
+from gpusched.infra import natsauth, tracing
+from gpusched.infra.natsauth import FIRST_OPERATOR
 from gpusched.infra.settings import Settings
 
 CONNECT_TIMEOUT_S = 2.0
@@ -78,7 +80,25 @@ def stack_settings(settings: Settings | None = None) -> Settings:
         update["database_url"] = found.database_url
     if "subject_prefix" not in settings.model_fields_set:
         update["subject_prefix"] = found.subject_prefix
+    if settings.nats_credentials is None and found.auth_dir:
+        update["nats_credentials"] = Path(found.auth_dir) / "creds" / f"{FIRST_OPERATOR}.creds"
+    if settings.security.auth_dir is None and found.auth_dir:
+        update["security"] = settings.security.model_copy(update={"auth_dir": Path(found.auth_dir)})
     return settings.model_copy(update=update)
+
+
+def stack_identity(settings: Settings, identity: str) -> Path | None:
+    """The credentials of one of the stack's own identities (auditor, simulator, admin)
+    from its bundle; None where the stack has no bundle (NATS without auth)."""
+    if settings.security.auth_dir is None:
+        return None
+    path = settings.security.auth_dir / "creds" / f"{identity}.creds"
+    if not path.is_file():
+        raise NotConfigured(
+            f"{path} does not exist: this command needs the stack's {identity} credentials "
+            "(made by `gpusched up` or `gpusched auth init`)"
+        )
+    return path
 
 
 def require_nats_url(settings: Settings) -> str:
@@ -119,7 +139,12 @@ POSTGRES_HINT = "Is the stack up? Start it with `gpusched up`, or set GPUSCHED_D
 
 
 async def connect_nats(
-    url: str, name: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = NATS_HINT
+    url: str,
+    name: str,
+    *,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+    hint: str = NATS_HINT,
+    credentials: Path | None = None,
 ) -> NatsClient:
     """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails.
 
@@ -143,11 +168,22 @@ async def connect_nats(
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0,
                 error_cb=note,
+                **natsauth.connect_options(credentials),  # type: ignore[arg-type]
             ),
             timeout=timeout_s + 1.0,
         )
+    except natsauth.AuthError as exc:
+        raise NotConfigured(str(exc)) from None
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         cause = errors[-1] if errors else exc
+        if "authorization violation" in str(cause).lower():
+            raise Unreachable(
+                "NATS",
+                url,
+                "the server refused these credentials (authorization violation)",
+                "Use the credentials file of this installation: GPUSCHED_NATS_CREDENTIALS, "
+                "or `gpusched auth issue` from an operator.",
+            ) from None
         if isinstance(exc, TimeoutError) and not errors:
             cause = exc
         raise Unreachable("NATS", url, _reason(cause), hint) from None
@@ -194,20 +230,32 @@ def _without_password(dsn: str) -> str:
 
 
 class ApiClient:
-    def __init__(self, nats_url: str, prefix: str = "gpusched", timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        prefix: str = "gpusched",
+        timeout_s: float = 10.0,
+        credentials: Path | None = None,
+    ) -> None:
         self.nats_url = nats_url
         self.subjects = Subjects(prefix)
         self.timeout_s = timeout_s
+        self.credentials = credentials
         self._nc: NatsClient | None = None
 
     @classmethod
     def for_stack(cls, settings: Settings | None = None, timeout_s: float = 10.0) -> ApiClient:
         """A client of the stack the environment names (env vars, else the stack file)."""
         resolved = stack_settings(settings)
-        return cls(require_nats_url(resolved), resolved.subject_prefix, timeout_s)
+        return cls(
+            require_nats_url(resolved),
+            resolved.subject_prefix,
+            timeout_s,
+            credentials=resolved.nats_credentials,
+        )
 
     async def __aenter__(self) -> Self:
-        self._nc = await connect_nats(self.nats_url, "gpusched-cli")
+        self._nc = await connect_nats(self.nats_url, "gpusched-cli", credentials=self.credentials)
         return self
 
     async def __aexit__(

@@ -207,7 +207,9 @@ async def scenario(settings: Settings, timeline: Timeline) -> None:
     for subject in (f"{p}.evt.>", f"{p}.cmd.>", f"{p}.jobs.>", f"{p}.audit.preempt.>"):
         await nc.subscribe(subject, cb=timeline.on_message)
     try:
-        async with ApiClient(settings.nats_url, settings.subject_prefix) as api:
+        async with ApiClient(
+            settings.nats_url, settings.subject_prefix, credentials=settings.nats_credentials
+        ) as api:
             await api.wait_until_serving()
             await _play(api, nc, subjects, timeline)
     finally:

@@ -40,7 +40,7 @@ from gpusched.cli.stackfile import (
     write_stack_file,
 )
 from gpusched.contracts.subjects import Subjects
-from gpusched.infra import bus
+from gpusched.infra import bus, natsauth
 from gpusched.infra.db import create_engine
 from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port
 from gpusched.infra.migrations import migrate, migrations_dir
@@ -107,15 +107,20 @@ def service_migrations(service: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> None:
+async def prepare(
+    settings: Settings, services: Sequence[str] = SERVICES, *, credentials: Path | None = None
+) -> None:
     """Create the streams and run every service's migrations (idempotent).
 
     Both servers are checked first with a short bound, so a wrong URL is one clear
-    error (client.Unreachable) within seconds, not a retry loop.
+    error (client.Unreachable) within seconds, not a retry loop. `credentials`: the
+    installer's identity (only it may create streams); default: the settings'.
     """
     nats_url, db_url = settings.require_urls()
     await check_postgres(db_url)
-    nc = await connect_nats(nats_url, "gpusched-prepare")
+    nc = await connect_nats(
+        nats_url, "gpusched-prepare", credentials=credentials or settings.nats_credentials
+    )
     try:
         await bus.ensure_streams(
             nc.jetstream(),
@@ -194,6 +199,9 @@ class Stack:
     _closing: threading.Event = field(default_factory=threading.Event, init=False)
     _written_pids: dict[str, int] = field(default_factory=dict, init=False)
     _failure: str | None = field(default=None, init=False)
+    # The NATS credentials of the embedded stack (None on an external NATS).
+    auth: natsauth.AuthBundle | None = field(default=None, init=False)
+    credentials: dict[str, Path] = field(default_factory=dict, init=False)
 
     @property
     def data_dir(self) -> Path:
@@ -214,14 +222,27 @@ class Stack:
         try:
             previous = self._previous()
             if not nats_url:
+                # Secure by default: the embedded NATS authenticates every client, and
+                # each service gets its own identity (natsauth, contracts.permissions).
+                self.auth = natsauth.AuthBundle.ensure(data_dir / "auth")
+                self.auth.write_server_config()
+                self.credentials = natsauth.write_installation(
+                    self.auth, Subjects(self.settings.subject_prefix)
+                )
                 nats = EmbeddedNats(
                     data_dir / "nats",
                     self._reuse(previous.nats_port, "NATS"),
                     monitor_port=self._reuse(previous.nats_monitor_port, "NATS monitoring"),
+                    auth_config=self.auth.server_config,
                 )
                 self._servers["nats"] = _Watched(nats, Backoff(self.policy))
                 nats_url = nats.start()
                 log.info("embedded NATS at %s", nats_url)
+            elif (auth_dir := self.settings.security.auth_dir) is not None:
+                # An external NATS with an installation's credentials (auth init).
+                self.credentials = {
+                    path.stem: path for path in sorted((auth_dir / "creds").glob("*.creds"))
+                }
             if not db_url:
                 pg = EmbeddedPostgres(
                     data_dir / "postgres", self._reuse(previous.postgres_port, "PostgreSQL")
@@ -230,12 +251,24 @@ class Stack:
                 pg.start()
                 db_url = pg.create_database("gpusched")
                 log.info("embedded PostgreSQL at %s", db_url)
-            self.settings = self.settings.model_copy(
-                update={"nats_url": nats_url, "database_url": db_url}
-            )
+            update: dict[str, object] = {"nats_url": nats_url, "database_url": db_url}
+            if self.operator_credentials is not None:
+                # What start() returns is a client's view: the first operator's identity.
+                update["nats_credentials"] = self.operator_credentials
+            if self.auth is not None:
+                update["security"] = self.settings.security.model_copy(
+                    update={
+                        "auth_dir": self.auth.root,
+                        "clients_account": self.auth.clients_account_id,
+                        "job_signing_key": self.auth.job_issuer_path,
+                    }
+                )
+            self.settings = self.settings.model_copy(update=update)
             self._write_stack_file(running=True)
-            asyncio.run(prepare(self.settings, self.services))
-            self.supervisor = Supervisor(
+            asyncio.run(
+                prepare(self.settings, self.services, credentials=self._creds(natsauth.ADMIN))
+            )
+            self.supervisor = Supervisor(  # each service with its own credentials
                 [self._spec(name) for name in self.services],
                 env=self._child_env(),
                 log_dir=self.log_dir,
@@ -361,7 +394,9 @@ class Stack:
             if self.supervisor.returncode(service) is not None:
                 missing.append(f"{service} is not running")
         try:
-            nc = await connect_nats(self.settings.nats_url, "gpusched-ready")
+            nc = await connect_nats(
+                self.settings.nats_url, "gpusched-ready", credentials=self._creds(natsauth.ADMIN)
+            )
         except CliError as exc:
             return [*missing, str(exc)]
         try:
@@ -379,7 +414,12 @@ class Stack:
             await nc.close()
         missing += [f"{s} is not consuming yet" for s in self.services if s not in fetching]
         if "admission" in self.services and not missing:
-            api = ApiClient(self.settings.nats_url, self.settings.subject_prefix, timeout_s=2.0)
+            api = ApiClient(
+                self.settings.nats_url,
+                self.settings.subject_prefix,
+                timeout_s=2.0,
+                credentials=self.operator_credentials,
+            )
             try:
                 async with api:
                     await api.get("job-000000000000")
@@ -421,6 +461,11 @@ class Stack:
             nats_monitor_port=_monitor_port(nats),
             postgres_port=_port(pg),
             log_dir=None if self.log_dir is None else str(self.log_dir.resolve()),
+            auth_dir=(
+                None
+                if self.settings.security.auth_dir is None
+                else str(self.settings.security.auth_dir)
+            ),
             pids=pids,
         )
         write_stack_file(self.data_dir, content)
@@ -502,7 +547,28 @@ class Stack:
         return False
 
     def _spec(self, service: str) -> ProcessSpec:
-        return ProcessSpec(service, [sys.executable, "-m", "gpusched.cli.main", "service", service])
+        env: dict[str, str] = {}
+        creds = self._creds(service)
+        if creds is not None:
+            env["GPUSCHED_NATS_CREDENTIALS"] = str(creds)
+        security = self.settings.security
+        if security.clients_account is not None:
+            env["GPUSCHED_SECURITY__CLIENTS_ACCOUNT"] = security.clients_account
+        if security.auth_dir is not None:
+            env["GPUSCHED_SECURITY__AUTH_DIR"] = str(security.auth_dir)
+        if service == "admission" and security.job_signing_key is not None:
+            env["GPUSCHED_SECURITY__JOB_SIGNING_KEY"] = str(security.job_signing_key)
+        return ProcessSpec(
+            service, [sys.executable, "-m", "gpusched.cli.main", "service", service], env=env
+        )
+
+    def _creds(self, identity: str) -> Path | None:
+        """The credentials file of one of this stack's identities (None without auth)."""
+        return self.credentials.get(identity)
+
+    @property
+    def operator_credentials(self) -> Path | None:
+        return self._creds(natsauth.FIRST_OPERATOR)
 
     def _child_env(self) -> dict[str, str]:
         assert self.settings.nats_url and self.settings.database_url

@@ -56,6 +56,8 @@ class StackFile(BaseModel):
     nats_monitor_port: int | None = None
     postgres_port: int | None = None
     log_dir: str | None = None
+    # The NATS credentials bundle of the embedded stack (natsauth.AuthBundle).
+    auth_dir: str | None = None
     # Who runs the stack ("up") and each server and service, while it runs.
     pids: dict[str, int] = {}
 

@@ -16,6 +16,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -27,12 +28,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
+from gpusched.contracts import identity
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import StreamSpec, Subjects
 from gpusched.contracts.validation import DEFAULT_MAX_CLOCK_SKEW_S, printable, read_message
-from gpusched.infra import metrics, tracing
+from gpusched.infra import metrics, natsauth, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
@@ -58,9 +60,10 @@ UNAVAILABLE_MESSAGE = (
 )
 
 
-async def connect(url: str, name: str) -> NatsClient:
+async def connect(url: str, name: str, credentials: Path | None = None) -> NatsClient:
     """A NATS connection that reconnects forever (nats-py does it by itself) and says
-    so in one log line when it drops and one when it is back.
+    so in one log line when it drops and one when it is back. `credentials`: the
+    process's `.creds` file (its identity; the server enforces its permissions).
 
     While it is away, publishes queue in a bounded buffer (`pending_size`) and are sent
     on reconnect; a full buffer raises OutboundBufferLimitError, an outage."""
@@ -95,6 +98,7 @@ async def connect(url: str, name: str) -> NatsClient:
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
+        **natsauth.connect_options(credentials),  # type: ignore[arg-type]
     )
     return nc
 
@@ -102,7 +106,11 @@ async def connect(url: str, name: str) -> NatsClient:
 async def ensure_streams(
     js: JetStreamContext, specs: Sequence[StreamSpec], *, replicas: int = 1
 ) -> None:
-    """Create or update the streams; safe to run from every service at start."""
+    """Create or update the streams; safe to run from every service at start.
+
+    A stream that exists as specified is only looked at: the services may read stream
+    info but only the installer (`gpusched up`/`migrate`) may create or change a stream,
+    so a service never needs the permission unless the streams are missing or stale."""
     for spec in specs:
         config = StreamConfig(
             name=spec.name,
@@ -112,7 +120,15 @@ async def ensure_streams(
             num_replicas=replicas,
         )
         try:
-            await js.stream_info(spec.name)
+            info = await js.stream_info(spec.name)
+            have = info.config
+            if (
+                sorted(have.subjects or []) == sorted(spec.subjects)
+                and (have.max_age or None) == config.max_age
+                and have.duplicate_window == config.duplicate_window
+                and (have.num_replicas or 1) == replicas
+            ):
+                continue
             await js.update_stream(config)
         except NotFoundError:
             with contextlib.suppress(nats.js.errors.BadRequestError):
@@ -610,6 +626,7 @@ async def serve_requests(
     service: str,
     queue: str,
     concurrency: int = REQUEST_CONCURRENCY,
+    clients_account: str | None = None,
 ) -> Subscription:
     """Request/reply endpoint in a queue group (replicas share the load).
 
@@ -620,7 +637,9 @@ async def serve_requests(
 
     Up to ``concurrency`` requests are handled at once (nats-py would run them one at a
     time), so a handler may group concurrent requests into one transaction. Each reply
-    still leaves only after its own handler returned. When no request is waiting, the
+    still leaves only after its own handler returned. The handler finds who asks in
+    identity.current_caller (from the server's Nats-Request-Info header; see
+    contracts.identity). When no request is waiting, the
     callback waits for those in hand: a draining subscription (shutdown) therefore
     answers every request it took before the connection closes.
     """
@@ -630,6 +649,7 @@ async def serve_requests(
 
     async def handle(msg: Msg) -> None:
         outcome = "ok"
+        identity.current_caller.set(identity.caller_from_headers(msg.headers, clients_account))
         try:
             with tracing.continued(f"{service} {subject}", msg.headers):
                 try:

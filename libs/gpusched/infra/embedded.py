@@ -229,11 +229,19 @@ class EmbeddedNats(_ChildServer):
     _stop_timeout_s = 5.0
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, *, monitor_port: int | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        monitor_port: int | None = None,
+        auth_config: Path | None = None,
     ) -> None:
+        """`auth_config`: a configuration fragment the server includes (natsauth's
+        auth.conf: operator mode, every client authenticated); None: no auth."""
         super().__init__(data_dir, port)
         self._requested_monitor_port = monitor_port
         self._monitor_port = monitor_port
+        self._auth_config = None if auth_config is None else auth_config.resolve()
 
     @property
     def url(self) -> str:
@@ -289,6 +297,12 @@ class EmbeddedNats(_ChildServer):
             # A stable name: JetStream state is tied to the server that wrote it.
             "--server_name", "gpusched-embedded",
         ]  # fmt: skip
+        if self._auth_config is not None:
+            config = self.data_dir / "nats.conf"
+            # nats-server resolves an include relative to the including file.
+            relative = os.path.relpath(self._auth_config, self.data_dir)
+            config.write_text(f"include {json.dumps(relative)}\n")
+            argv += ["--config", str(config)]
         return spawn_bound_child(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir)
 
     def _ready(self, process: subprocess.Popen[bytes]) -> bool:

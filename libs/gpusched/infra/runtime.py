@@ -69,7 +69,7 @@ class ServiceRuntime:
         nats_url, db_url = self.settings.require_urls()
         self.subjects = Subjects(self.settings.subject_prefix)
         tracing.setup(self.name, self.settings.trace_file)
-        self.nc = await bus.connect(nats_url, f"gpusched-{self.name}")
+        self.nc = await bus.connect(nats_url, f"gpusched-{self.name}", self.credentials)
         self.js = self.nc.jetstream(publish_async_max_pending=self.settings.outbox.max_pending_acks)
         await bus.ensure_streams(
             self.js, self.subjects.streams(), replicas=self.settings.bus.stream_replicas
@@ -91,6 +91,15 @@ class ServiceRuntime:
                 poll_interval_s=self.settings.outbox.poll_interval_s,
                 nats_connected=lambda: self.nc.is_connected,
             )
+
+    @property
+    def credentials(self) -> Path | None:
+        """This service's NATS identity: GPUSCHED_NATS_CREDENTIALS, else its own file in
+        the installation's bundle (`<auth_dir>/creds/<service>.creds`)."""
+        if self.settings.nats_credentials is not None:
+            return self.settings.nats_credentials
+        auth_dir = self.settings.security.auth_dir
+        return None if auth_dir is None else auth_dir / "creds" / f"{self.name}.creds"
 
     def consume(self, consumer: bus.Consumer) -> None:
         b = self.settings.bus
@@ -152,7 +161,14 @@ class ServiceRuntime:
         for runner in self._consumers:
             self._tasks.append(asyncio.create_task(runner.run()))
         for subject, handler in self._endpoints:
-            await bus.serve_requests(self.nc, subject, handler, service=self.name, queue=self.name)
+            await bus.serve_requests(
+                self.nc,
+                subject,
+                handler,
+                service=self.name,
+                queue=self.name,
+                clients_account=self.settings.security.clients_account,
+            )
         for spec in self._loops:
             self._tasks.append(asyncio.create_task(self._run_loop(spec), name=spec.name))
         log.info("%s running", self.name)

@@ -139,12 +139,37 @@ class AgentSettings(Section):
     workdir: Path = Path(".gpusched/agent")
 
 
+class SecuritySettings(Section):
+    # The job credential issuer's seed (admission only): with it admission gives every
+    # placed job credentials for its own subjects; without it jobs get none (and on an
+    # authenticated NATS cannot connect).
+    job_signing_key: Path | None = None
+    job_credential_ttl_s: float = Field(
+        default=300.0,
+        ge=2.0,
+        le=7 * 24 * 3600.0,
+        description=(
+            "lifetime of a job's NATS credentials; admission renews them while the "
+            "allocation lives, so they die at most this long after it ends"
+        ),
+    )
+    # The credentials bundle (natsauth.AuthBundle) of an installation: `gpusched up`
+    # makes one in <data_dir>/auth for the embedded NATS.
+    auth_dir: Path | None = None
+    # The public key of the CLIENTS account: a request carrying the server's caller
+    # header from that account is a team or an operator (contracts.identity).
+    clients_account: str | None = None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GPUSCHED_", env_nested_delimiter="__", frozen=True, extra="ignore"
     )
 
     nats_url: str | None = Field(default=None, description="external NATS; else embedded")
+    nats_credentials: Path | None = Field(
+        default=None, description="this process's NATS credentials file (.creds)"
+    )
     database_url: str | None = Field(
         default=None, description="external PostgreSQL (postgresql+asyncpg://...); else embedded"
     )
@@ -165,6 +190,7 @@ class Settings(BaseSettings):
     checkpoint: CheckpointSettings = CheckpointSettings()
     billing: BillingSettings = BillingSettings()
     agent: AgentSettings = AgentSettings()
+    security: SecuritySettings = SecuritySettings()
 
     def require_urls(self) -> tuple[str, str]:
         if not self.nats_url or not self.database_url:

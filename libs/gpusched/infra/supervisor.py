@@ -242,6 +242,8 @@ class ProcessSpec:
     name: str
     argv: Sequence[str]
     restart: bool = True
+    # Laid over the supervisor's env for this child only (e.g. its own credentials).
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -542,19 +544,28 @@ class Supervisor:
         self._due.pop(name, None)
         self._restarts[name] += 1
 
+    def _env_of(self, spec: ProcessSpec) -> dict[str, str]:
+        return {**self._env, **spec.env}
+
     def _launch(self, spec: ProcessSpec) -> _Child:
         if self._log_dir is not None:
             log_file = (self._log_dir / f"{spec.name}.log").open("ab")
             try:
                 process = spawn_bound_child(
-                    spec.argv, env=self._env, stdout=log_file, stderr=subprocess.STDOUT
+                    spec.argv,
+                    env={**self._env, **spec.env},
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
                 )
             except BaseException:
                 log_file.close()
                 raise
             return _Child(spec, process, log_file, None)
         process = spawn_bound_child(
-            spec.argv, env=self._env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            spec.argv,
+            env={**self._env, **spec.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         assert process.stdout is not None
         pump = threading.Thread(

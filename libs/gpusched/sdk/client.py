@@ -28,7 +28,10 @@ import contextlib
 import inspect
 import logging
 import math
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
 
@@ -38,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import Error as JetStreamError
 from pydantic import BaseModel, ValidationError
 
@@ -48,6 +51,7 @@ from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
+from gpusched.infra.natsauth import AuthError, connect_options
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
@@ -82,6 +86,8 @@ _ERROR_MAX = 2000
 # How often the server signals an idle control consumer is alive; two missed beats and
 # the client recreates the consumer (it is lost when NATS restarts).
 _CONTROL_HEARTBEAT_S = 1.0
+# A job's control consumer is removed by the server this long after nobody listens.
+_CONTROL_INACTIVE_S = 120.0
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 A = TypeVar("A")
 
@@ -112,6 +118,7 @@ class AsyncJobClient:
         buffer_capacity: int = DEFAULT_CAPACITY,
         publish_wait_s: float = DEFAULT_WAIT_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        credentials: Path | None = None,
     ) -> None:
         self.subjects = Subjects(prefix)
         self.job_id = job_id
@@ -128,7 +135,11 @@ class AsyncJobClient:
         self._buffer_capacity = buffer_capacity
         self._publish_wait_s = publish_wait_s
         self._flush_timeout_s = flush_timeout_s
-        self._control_from = 0  # stream sequence of the first control message for us
+        self._credentials = credentials
+        # Control messages are read from the stream from when this attempt first
+        # listened; after a reconnect, from the one after the last seen.
+        self._listening_since: datetime | None = None
+        self._last_seq = 0
         self._closing = False
         self._inbox: asyncio.Queue[ControlMessage | _Closed] = asyncio.Queue()
         self._pending = PendingCheckpoint()
@@ -139,7 +150,13 @@ class AsyncJobClient:
     @classmethod
     def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
         env = environment or JobEnvironment.from_environ()
-        return cls(env.nats_url, env.job_id, env.attempt, prefix=env.prefix)
+        return cls(
+            env.nats_url,
+            env.job_id,
+            env.attempt,
+            prefix=env.prefix,
+            credentials=env.credentials,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> AsyncJobClient:
@@ -167,6 +184,7 @@ class AsyncJobClient:
                     error_cb=_quiet_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
+                    **connect_options(self._credentials),
                 )
             self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
             self._events = EventBuffer(
@@ -176,23 +194,12 @@ class AsyncJobClient:
                 capacity=self._buffer_capacity,
                 wait_s=self._publish_wait_s,
             )
-            stream = self.subjects.stream("JOBS")
-            info = await self._js.stream_info(stream)
-            # Only what is sent from now on; a message that lands between this read and
-            # the subscription is delivered, not skipped.
-            self._control_from = info.state.last_seq + 1
-            self._sub = await self._js.subscribe(
-                self._control_subject,
-                stream=stream,
-                cb=self._on_message,
-                ordered_consumer=True,
-                idle_heartbeat=_CONTROL_HEARTBEAT_S,
-                config=ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=self._control_from,
-                ),
-            )
-        except (NatsError, JetStreamError, OSError, TimeoutError) as exc:
+            self._listening_since = datetime.now(UTC)
+            if self._owns_connection:
+                await self._listen()
+            else:
+                await self._follow_shared()
+        except (NatsError, JetStreamError, OSError, TimeoutError, AuthError) as exc:
             await self.close()
             raise JobClientError(
                 f"cannot listen on {self._control_subject}: {exc!r} "
@@ -246,6 +253,71 @@ class AsyncJobClient:
 
     async def _on_reconnected(self) -> None:
         log.info("job %s: reconnected to the control plane", self.job_id)
+        if self._sub is None or self._closing:
+            return
+        # The consumer may be gone with the server (it lives in memory); listen again
+        # from the message after the last one seen, so nothing sent meanwhile is lost.
+        old, self._sub = self._sub, None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(old.unsubscribe(), _REQUEST_TIMEOUT_S)
+        try:
+            await self._listen()
+        except (NatsError, JetStreamError, OSError, TimeoutError) as exc:
+            log.warning("job %s: cannot listen again after a reconnect: %r", self.job_id, exc)
+
+    async def _follow_shared(self) -> None:
+        """On a shared connection (the simulated cluster's, a trusted service that may
+        read the whole stream): an ordered consumer, which nats-py itself recreates
+        after a gap or a reconnect."""
+        assert self._js is not None
+        stream = self.subjects.stream("JOBS")
+        info = await self._js.stream_info(stream)
+        # Only what is sent from now on; a message that lands between this read and
+        # the subscription is delivered, not skipped.
+        self._last_seq = info.state.last_seq
+        self._sub = await self._js.subscribe(
+            self._control_subject,
+            stream=stream,
+            cb=self._on_message,
+            ordered_consumer=True,
+            idle_heartbeat=_CONTROL_HEARTBEAT_S,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self._last_seq + 1,
+            ),
+        )
+
+    async def _listen(self) -> None:
+        """An ephemeral push consumer of this job's control subject. It is named, so the
+        server sees the filter in the create subject: a job's credentials allow only a
+        consumer of its own control subject (infra.natsauth)."""
+        assert self._js is not None and self._listening_since is not None
+        if self._last_seq:
+            start = {
+                "deliver_policy": DeliverPolicy.BY_START_SEQUENCE,
+                "opt_start_seq": self._last_seq + 1,
+            }
+        else:
+            start = {
+                "deliver_policy": DeliverPolicy.BY_START_TIME,
+                "opt_start_time": self._listening_since.isoformat().replace("+00:00", "Z"),
+            }
+        config = ConsumerConfig(
+            name=f"ctl-{secrets.token_hex(8)}",
+            filter_subject=self._control_subject,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=_CONTROL_INACTIVE_S,
+            mem_storage=True,
+            num_replicas=1,
+            **start,  # type: ignore[arg-type]
+        )
+        self._sub = await self._js.subscribe(
+            self._control_subject,
+            stream=self.subjects.stream("JOBS"),
+            cb=self._on_message,
+            manual_ack=True,  # nothing to ack (AckPolicy.NONE); a job may not publish acks
+            config=config,
+        )
 
     # --- job events -------------------------------------------------------------------
     async def started(self, resumed_from: str | None = None) -> None:
@@ -451,8 +523,10 @@ class AsyncJobClient:
         )
 
     async def _on_message(self, msg: Msg) -> None:
-        if (seq := _stream_sequence(msg)) is not None and seq < self._control_from:
-            return  # replayed by a recreated consumer: sent before this attempt listened
+        if (seq := _stream_sequence(msg)) is not None:
+            if seq <= self._last_seq:
+                return  # replayed by a consumer made again after a reconnect
+            self._last_seq = seq
         try:
             message = control_message(Envelope.from_bytes(msg.data))
         except MalformedMessage as exc:

@@ -19,6 +19,8 @@ class EnvVar(StrEnum):
     RESUME_URI = "GPUSCHED_RESUME_URI"
     RESUME_CHECKPOINT_ID = "GPUSCHED_RESUME_CHECKPOINT_ID"
     CHECKPOINT_DIR = "GPUSCHED_CHECKPOINT_DIR"
+    # The job's own NATS credentials (a .creds file the agent writes and renews).
+    CREDENTIALS = "GPUSCHED_NATS_CREDENTIALS"
 
 
 DEFAULT_PREFIX = "gpusched"
@@ -33,6 +35,7 @@ class JobEnvironment:
     resume_uri: str | None = None
     resume_checkpoint_id: str | None = None
     checkpoint_dir: Path | None = None
+    credentials: Path | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -57,6 +60,7 @@ class JobEnvironment:
             resume_uri=env.get(EnvVar.RESUME_URI) or None,
             resume_checkpoint_id=env.get(EnvVar.RESUME_CHECKPOINT_ID) or None,
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+            credentials=Path(creds) if (creds := env.get(EnvVar.CREDENTIALS)) else None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -69,4 +73,5 @@ class JobEnvironment:
             EnvVar.RESUME_URI: self.resume_uri or "",
             EnvVar.RESUME_CHECKPOINT_ID: self.resume_checkpoint_id or "",
             EnvVar.CHECKPOINT_DIR: str(self.checkpoint_dir) if self.checkpoint_dir else "",
+            EnvVar.CREDENTIALS: str(self.credentials) if self.credentials else "",
         }

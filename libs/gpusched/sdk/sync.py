@@ -133,6 +133,7 @@ class JobClient:
             buffer_capacity=self._buffer_capacity,
             publish_wait_s=self._publish_wait_s,
             flush_timeout_s=self._flush_timeout_s,
+            credentials=self.environment.credentials if self.environment else None,
         )
         await client.connect()
         return client

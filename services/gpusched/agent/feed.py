@@ -40,6 +40,8 @@ async def follow_admission(
 
     return await js.subscribe(
         subjects.events_of("admission"),
+        # Named, so no stream look-up by subject (which the agent may not do).
+        stream=subjects.stream("EVENTS"),
         cb=on_message,
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.ALL,
