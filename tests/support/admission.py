@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import nats
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -37,6 +38,7 @@ from gpusched.domain.ledger import Ledger, PoolCapacity
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
+from tests.support.identity import harness_options
 from tests.support.waiting import eventually, stream_messages
 
 # One inference node (2 GPUs) and one shared node (4 GPUs), all A100-80GB.
@@ -107,15 +109,22 @@ async def start_admission(settings: Settings) -> Admission:
     service = await assemble(rt)
     running = Admission(rt, service, asyncio.create_task(rt.run()))
 
+    # Asked as the test (the service's own identity may not call its API).
+    assert settings.nats_url is not None
+    probe = await nats.connect(settings.nats_url, **harness_options(settings))
+
     async def answering() -> bool:
         try:
-            await rt.nc.request(rt.subjects.api_jobs_get, b"{}", timeout=5)
+            await probe.request(rt.subjects.api_jobs_get, b"{}", timeout=5)
         except NoRespondersError:
             return False
         return True
 
-    # The endpoints subscribe once run() is under way.
-    await eventually(answering, within=20)
+    try:
+        # The endpoints subscribe once run() is under way.
+        await eventually(answering, within=20)
+    finally:
+        await probe.close()
     return running
 
 

@@ -22,6 +22,7 @@ from gpusched.contracts.validation import (
     Attempt,
     Bytes,
     Count,
+    Credentials,
     Document,
     Fraction,
     GpuCount,
@@ -723,6 +724,21 @@ class StartWorkload(Wire):
     resume_from: CheckpointInfo | None = None
     # Part of its one GPU: the agent caps the workload's memory and compute to it.
     share: GpuShare | None = None
+    # The job's own NATS credentials (a .creds text: publish its events, read its
+    # control subject), valid until `credentials_expire_at` unless renewed. A secret:
+    # never logged or audited.
+    credentials: Credentials | None = Field(default=None, repr=False)
+    credentials_expire_at: datetime | None = None
+
+
+class RenewCredentials(Wire):
+    """Fresh credentials for a running workload (admission renews them while its
+    allocation lives; the agent rewrites the job's credentials file)."""
+
+    allocation_id: str
+    job_id: str
+    credentials: Credentials = Field(repr=False)
+    expire_at: datetime
 
 
 class MigConfigure(Wire):
@@ -840,6 +856,7 @@ class T(StrEnum):
     EVICTION_CANCELLED = "eviction.cancelled"
     CHECKPOINT_VERIFIED = "checkpoint.verified"
     START_WORKLOAD = "workload.start"
+    RENEW_CREDENTIALS = "workload.credentials"
     EVICT_WORKLOAD = "workload.evict"
     WORKLOAD_STARTED = "workload.started"
     WORKLOAD_STOPPED = "workload.stopped"
@@ -881,6 +898,7 @@ SCHEMAS: dict[str, type[Wire]] = {
     T.EVICTION_CANCELLED: EvictionCancelled,
     T.CHECKPOINT_VERIFIED: CheckpointVerified,
     T.START_WORKLOAD: StartWorkload,
+    T.RENEW_CREDENTIALS: RenewCredentials,
     T.EVICT_WORKLOAD: EvictWorkload,
     T.WORKLOAD_STARTED: WorkloadStarted,
     T.WORKLOAD_STOPPED: WorkloadStopped,

@@ -138,6 +138,11 @@ def _text(max_length: int, *, multiline: bool = False) -> AfterValidator:
 Id = Annotated[str, Field(min_length=1, max_length=ID_MAX), _text(ID_MAX)]
 Name = Annotated[str, Field(max_length=NAME_MAX), _text(NAME_MAX)]
 Text = Annotated[str, Field(max_length=TEXT_MAX), _text(TEXT_MAX, multiline=True)]
+# A NATS .creds file's text (a user JWT and its seed): a few kB.
+CREDENTIALS_MAX = 16 * 1024
+Credentials = Annotated[
+    str, Field(max_length=CREDENTIALS_MAX), _text(CREDENTIALS_MAX, multiline=True)
+]
 OptionalText = Text | None
 Uri = Annotated[str, Field(min_length=1, max_length=URI_MAX), _text(URI_MAX)]
 # Bounds tighter than the general ones are types of their own: an outer Field() cannot

@@ -51,6 +51,11 @@ API_REQUESTS = Counter(
     ["service", "subject", "outcome"],
 )
 UP = Gauge("gpusched_up", "1 while the service is running", ["service"])
+ACCESS_REFUSED = Counter(
+    "gpusched_access_refused_total",
+    "API requests refused as forbidden for the caller's identity, by action",
+    ["service", "action"],
+)
 
 
 def serve(host: str, port: int) -> None:

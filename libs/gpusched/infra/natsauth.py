@@ -191,12 +191,17 @@ class Issuer:
     scoped: bool
 
     @classmethod
-    def from_seed_file(cls, path: Path, account: str, *, scoped: bool) -> Issuer:
+    def from_seed_file(cls, path: Path, *, scoped: bool) -> Issuer:
+        """A signing key from its seed file, and the account it signs for from the
+        `.account` file beside it (both written by AuthBundle.create)."""
         try:
             seed = path.read_bytes().strip()
+            account = path.with_suffix(".account").read_text().strip()
             return cls(nkeys.from_seed(bytearray(seed)), account, scoped)
         except (OSError, nkeys.NkeysError, ValueError) as exc:
-            raise AuthError(f"cannot read the signing key {path}: {exc}") from exc
+            raise AuthError(
+                f"cannot read the signing key {path} (and its .account file): {exc}"
+            ) from exc
 
     def creds(self, identity: Identity, now: float | None = None) -> str:
         at = time.time() if now is None else now
@@ -314,6 +319,9 @@ class AuthBundle:
         )
         for name in cls._KEYS:
             _write_secret(bundle.keys_dir / f"{name}.nk", _seed(bundle._key(name)) + "\n")
+        for issuer in ("job-issuer", "node-issuer"):
+            # Which account a scoped key signs for (its users name it as issuer_account).
+            (bundle.keys_dir / f"{issuer}.account").write_text(bundle.service_account_id + "\n")
         bundle.write_server_config()
         return bundle
 

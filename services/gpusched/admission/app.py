@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-from gpusched.contracts.messages import NodeVerb, T
+from gpusched.contracts.messages import NodeReply, NodeVerb, T
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
 from gpusched.domain.sharing import ModeSchedule, Overcommit
-from gpusched.infra import bus
+from gpusched.infra import access, bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
@@ -29,6 +29,7 @@ from gpusched.infra.settings import Settings
 from . import parking
 from .cancel import CancelOps
 from .catalog import Catalog
+from .credentials import JobCredentials
 from .handlers import Admission, load_inventory_once
 from .keeper import LedgerKeeper
 from .mig import MigDeadlines, MigModes
@@ -111,6 +112,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         Overcommit(settings.overcommit_inference, settings.overcommit_training),
         timedelta(seconds=settings.mig_change_interval_s),
     )
+    credentials = JobCredentials.from_settings(rt.settings)
     scheduler = Scheduler(
         rt.uow,
         keeper,
@@ -118,6 +120,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         settings.schedule_interval_s,
         reserve_after=timedelta(seconds=settings.reserve_after_s),
         starve_after=timedelta(seconds=settings.starve_after_s),
+        credentials=credentials,
     )
     backoff = Backoff(
         timedelta(seconds=settings.replica_restart_first_s),
@@ -145,7 +148,12 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         NodeVerb.REMOVE: nodes.remove,
         NodeVerb.LIST: nodes.list_nodes,
     }.items():
-        rt.serve(s.api_nodes(verb), endpoint)
+        rt.serve(
+            s.api_nodes(verb),
+            access.operators_only(
+                rt.uow, f"nodes.{verb}", endpoint, lambda e: NodeReply(ok=False, error=e)
+            ),
+        )
     rt.consume(
         bus.Consumer(
             durable="admission-commands",
@@ -181,6 +189,13 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
     # The tick itself waits up to the schedule interval for a kick, so the loop's own
     # pause is short: a kick during it is served within LEASE_POLL_S.
     rt.every("schedule", LEASE_POLL_S, scheduler.tick, singleton=True)
+    if credentials.enabled:
+        rt.every(
+            "job-credentials",
+            credentials.renew_every_s,
+            lambda: credentials.renew(rt.uow, keeper),
+            singleton=True,
+        )
     if settings.mig_modes:
         modes = MigModes(
             rt.uow,

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from datetime import datetime
 
 from gpusched.contracts.envelope import utcnow
+from gpusched.contracts.identity import CallerKind
 from gpusched.contracts.messages import ApiError, CancelJob, CancelReply, EvictWorkload, T
 from gpusched.contracts.validation import Invalid, parse_request
+from gpusched.infra import access
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 
 from . import parking, store
@@ -50,6 +52,17 @@ class CancelOps:
         request = parse_request(CancelJob, raw)
         if isinstance(request, Invalid):
             return CancelReply(ok=False, error=request.error())
+        who = access.caller()
+        async with self._uow() as uow:
+            team = await store.job_team(uow, request.job_id)
+        if team is not None and not who.may_act_for(team):
+            why = f"it belongs to team {team}; a team cancels its own jobs, an operator any"
+            return CancelReply(
+                ok=False, error=await access.forbid(self._uow, "cancel", request.job_id, why)
+            )
+        if who.kind is CallerKind.OPERATOR or who.kind is CallerKind.TEAM:
+            # Audited under the identity the credential proves.
+            request = request.model_copy(update={"operator": str(who)})
         async with self._uow() as uow:
             # The ledger lock: a cancel and a scheduling pass never interleave.
             await self._keeper.read(uow)

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gpusched.contracts.envelope import Envelope, utcnow
+from gpusched.contracts.identity import CallerKind
 from gpusched.contracts.messages import (
     AgentReady,
     ApproveJob,
@@ -52,6 +53,7 @@ from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, Pool
 from gpusched.domain.quota import usage_of
+from gpusched.infra import access
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 
@@ -120,6 +122,13 @@ class Admission:
         job = parse_request(SubmitJob, raw)
         if isinstance(job, Invalid):
             return SubmitReply(ok=False, error=job.error())
+        who = access.caller()
+        if not who.may_act_for(job.team):
+            # The team comes from the credential: a team submits for itself only.
+            why = f"the job names team {job.team!r}; submit as that team or as an operator"
+            return SubmitReply(
+                ok=False, error=await access.forbid(self._uow, "submit", job.team, why)
+            )
         refusal = self._catalog.refusal(job)
         if refusal is not None:
             return await self._intake.submit(Submission(job, utcnow(), refusal=refusal))
@@ -147,6 +156,11 @@ class Admission:
             if job is None:
                 return GetReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            if not access.caller().may_act_for(job.spec.team):
+                why = f"it belongs to team {job.spec.team}"
+                return GetReply(
+                    ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
             held = None
             if job.allocation_id is not None:
@@ -212,6 +226,15 @@ class Admission:
         request = parse_request(ApproveJob, raw)
         if isinstance(request, Invalid):
             return ApproveReply(ok=False, error=request.error())
+        who = access.caller()
+        if not who.is_operator:
+            why = "approving is an operator's decision"
+            return ApproveReply(
+                ok=False, error=await access.forbid(self._uow, "approve", request.job_id, why)
+            )
+        if who.kind is CallerKind.OPERATOR:
+            # Audited under the name the credential proves, not the one the payload says.
+            request = request.model_copy(update={"operator": who.name})
         async with self._uow() as uow:
             # Under the ledger lock, so an approval and a scheduling pass never interleave.
             await self._keeper.read(uow)
@@ -274,6 +297,11 @@ class Admission:
             if job is None:
                 return WhyReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            if not access.caller().may_act_for(job.spec.team):
+                why = f"it belongs to team {job.spec.team}"
+                return WhyReply(
+                    ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
             if job.state is JobState.RUNNING and job.spec.replicas is not None:
                 return await self._why_service(uow, job)

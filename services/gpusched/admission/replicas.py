@@ -35,6 +35,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
+from gpusched.infra import access
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 
 from . import store, wire
@@ -275,6 +276,11 @@ class ReplicaOps:
             if job is None:
                 return ScaleReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
+                )
+            if not access.caller().may_act_for(job.spec.team):
+                why = f"it belongs to team {job.spec.team}; an operator scales any service"
+                return ScaleReply(
+                    ok=False, error=await access.forbid(self._uow, "scale", job.job_id, why)
                 )
             replicas = job.spec.replicas
             if replicas is None:

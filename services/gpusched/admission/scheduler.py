@@ -29,6 +29,7 @@ from gpusched.infra.errors import is_outage
 
 from . import mig, parking, replicas, store, wire
 from .catalog import WHOLE_GPU_MILLI, Catalog
+from .credentials import JobCredentials
 from .explain import Attempt, fair_order, find, reservation_target
 from .keeper import LedgerKeeper
 from .queue import JobState, new_allocation_id
@@ -93,8 +94,10 @@ class Scheduler:
         interval_s: float,
         reserve_after: timedelta = timedelta(minutes=5),
         starve_after: timedelta = timedelta(minutes=30),
+        credentials: JobCredentials | None = None,
     ) -> None:
         self._uow = uow
+        self._credentials = credentials
         self._keeper = keeper
         self._catalog = catalog
         self._interval_s = interval_s
@@ -463,7 +466,13 @@ class Scheduler:
             Outgoing(
                 s.command("agent", T.START_WORKLOAD),
                 T.START_WORKLOAD,
-                wire.start_workload(granted, job, attempt, ledger),
+                wire.start_workload(
+                    granted,
+                    job,
+                    attempt,
+                    ledger,
+                    None if self._credentials is None else self._credentials.issue(job.job_id),
+                ),
                 correlation_id=job.job_id,
                 trace_headers=trace,
             ),

@@ -502,6 +502,14 @@ async def set_cancel_reason(uow: UnitOfWork, job_id: str, reason: str, now: date
     )
 
 
+async def job_team(uow: UnitOfWork, job_id: str) -> str | None:
+    """The team a job belongs to (without parsing its spec), or None if unknown."""
+    row = (
+        await uow.execute(f"SELECT team FROM {_t(uow, 'jobs')} WHERE job_id = :id", {"id": job_id})
+    ).first()
+    return None if row is None else str(row.team)
+
+
 async def job_state(uow: UnitOfWork, job_id: str) -> tuple[str, str | None] | None:
     """(state, cancel reason) of a job without parsing its spec, or None if unknown."""
     row = (

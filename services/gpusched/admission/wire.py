@@ -9,6 +9,7 @@ from gpusched.contracts import messages as m
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec
 
+from .credentials import Issued
 from .store import JobRecord
 
 
@@ -54,7 +55,11 @@ def allocation_granted(
 
 
 def start_workload(
-    granted: d.AllocationGranted, job: JobRecord, attempt: int, ledger: d.Ledger
+    granted: d.AllocationGranted,
+    job: JobRecord,
+    attempt: int,
+    ledger: d.Ledger,
+    credentials: Issued | None = None,
 ) -> m.StartWorkload:
     return m.StartWorkload(
         allocation_id=granted.allocation_id,
@@ -64,6 +69,8 @@ def start_workload(
         workload=job.spec.workload,
         resume_from=job.resume_from,
         share=share(granted),
+        credentials=None if credentials is None else credentials.creds,
+        credentials_expire_at=None if credentials is None else credentials.expire_at,
     )
 
 

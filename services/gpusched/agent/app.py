@@ -53,6 +53,7 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
             subjects=[s.commands_for(NAME)],
             edge_handlers={
                 T.START_WORKLOAD: agent.on_start,
+                T.RENEW_CREDENTIALS: agent.on_renew_credentials,
                 T.EVICT_WORKLOAD: agent.on_evict,
                 T.MIG_CONFIGURE: agent.on_mig_configure,
                 SIM_DEMAND: agent.on_sim_demand,

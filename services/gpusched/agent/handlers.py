@@ -44,6 +44,7 @@ from gpusched.contracts.messages import (
     MigConfigureFailed,
     NodeChange,
     NodeHealth,
+    RenewCredentials,
     StartWorkload,
     StopReason,
     T,
@@ -174,6 +175,17 @@ class ClusterAgent:
             alloc,
         )
         await self._publisher.send(self._s.event("agent", T.WORKLOAD_STARTED), started)
+
+    async def on_renew_credentials(self, envelope: Envelope) -> None:
+        """Fresh credentials for a running process workload (its file is rewritten); a
+        renewal for an allocation not running here is stale and changes nothing."""
+        renewal = envelope.payload(RenewCredentials)
+        entry = self._running.get(renewal.allocation_id)
+        if entry is None or entry.start.job_id != renewal.job_id:
+            return
+        renew = getattr(entry.workload, "renew_credentials", None)
+        if renew is not None:
+            renew(renewal.credentials)
 
     async def on_evict(self, envelope: Envelope) -> None:
         evict = envelope.payload(EvictWorkload)

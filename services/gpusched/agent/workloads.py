@@ -75,6 +75,22 @@ def job_dir(workdir: Path, job_id: str) -> Path:
     return workdir / job_id
 
 
+CREDENTIALS_FILE = "nats.creds"
+
+
+def write_credentials(directory: Path, creds: str) -> Path:
+    """The job's credentials file, replaced whole (nats-py reads it at every
+    reconnect, so a renewal takes effect the next time the job connects)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CREDENTIALS_FILE
+    tmp = directory / f".{CREDENTIALS_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(creds)
+    os.replace(tmp, path)
+    return path
+
+
 def mps_environment(share: GpuShare | None) -> dict[str, str]:
     """A fractional tenant's limits, the way NVIDIA MPS takes them: its compute share as
     the active thread percentage (rounded up, so a small share still runs) and its memory
@@ -262,6 +278,7 @@ class ProcessWorkload:
             resume_uri=resume.uri if resume else None,
             resume_checkpoint_id=resume.checkpoint_id if resume else None,
             checkpoint_dir=self._dir,
+            credentials=self._dir / CREDENTIALS_FILE if start.credentials else None,
         )
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._process: subprocess.Popen[bytes] | None = None
@@ -285,9 +302,14 @@ class ProcessWorkload:
         env.update(mps_environment(self._start.share))
         return env
 
+    def renew_credentials(self, creds: str) -> None:
+        write_credentials(self._dir, creds)
+
     async def launch(self) -> None:
         argv = self._argv()
         self._dir.mkdir(parents=True, exist_ok=True)
+        if self._start.credentials:
+            write_credentials(self._dir, self._start.credentials)
         log_path = self._dir / f"attempt-{self._start.attempt}.log"
         try:
             with log_path.open("ab") as out:

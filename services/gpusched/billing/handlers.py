@@ -32,6 +32,7 @@ from gpusched.domain.pricing import (
     build_statements,
     render_statement,
 )
+from gpusched.infra import access
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected
 
@@ -155,6 +156,20 @@ class StatementEndpoint:
             # Billing's published code for a bad request; the field is named as everywhere.
             error = request.error().model_copy(update={"code": ErrorCode.BAD_REQUEST})
             return StatementReply(ok=False, error=error)
+        who = access.caller()
+        if who.team is not None:
+            # A team is billed, and reads the bill of, itself only.
+            if request.team not in (None, who.team):
+                why = f"a team reads its own statement ({who.team}), not {request.team}'s"
+                return StatementReply(
+                    ok=False, error=await access.forbid(self._uow, "read statement", "-", why)
+                )
+            request = request.model_copy(update={"team": who.team})
+        elif not who.is_operator:
+            why = "only a team (its own) or an operator reads statements"
+            return StatementReply(
+                ok=False, error=await access.forbid(self._uow, "read statement", "-", why)
+            )
         now = self._clock()
         async with self._uow() as uow:
             end = request.period_end or now

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from gpusched.checkpoint.api import get_saga_subject, latest_checkpoint_subject
+from gpusched.checkpoint.api import (
+    GetSagaReply,
+    LatestCheckpointReply,
+    get_saga_subject,
+    latest_checkpoint_subject,
+)
 from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies
 from gpusched.checkpoint.queries import Queries
 from gpusched.checkpoint.storage import FileStorage, TrustingStorage
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
-from gpusched.infra import bus
+from gpusched.infra import access, bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
@@ -90,8 +95,22 @@ async def build(rt: ServiceRuntime) -> None:
         )
     )
     queries = Queries(rt.uow)
-    rt.serve(latest_checkpoint_subject(s), queries.latest_checkpoint)
-    rt.serve(get_saga_subject(s), queries.get_saga)
+    # The catalogue and the sagas name every team's jobs: operators (and services) only.
+    rt.serve(
+        latest_checkpoint_subject(s),
+        access.operators_only(
+            rt.uow,
+            "checkpoints.latest",
+            queries.latest_checkpoint,
+            lambda e: LatestCheckpointReply(ok=False, error=e),
+        ),
+    )
+    rt.serve(
+        get_saga_subject(s),
+        access.operators_only(
+            rt.uow, "sagas.get", queries.get_saga, lambda e: GetSagaReply(ok=False, error=e)
+        ),
+    )
 
     async def sweep_deadlines() -> None:
         # Deadlines live in the database: whichever replica runs this (and a restarted
