@@ -27,7 +27,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from gpusched.cli.client import ApiClient
+from gpusched.cli.client import ApiClient, stack_identity
 from gpusched.cli.stack import Stack
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import (
@@ -39,6 +39,7 @@ from gpusched.contracts.messages import (
     WorkloadSpec,
 )
 from gpusched.contracts.subjects import Subjects
+from gpusched.infra import natsauth
 from gpusched.infra.settings import Settings
 from gpusched.simcluster.demand import SIM_DEMAND, InferenceDemand
 
@@ -202,7 +203,11 @@ async def _set_demand(nc: NatsClient, subjects: Subjects, gpus: float) -> None:
 async def scenario(settings: Settings, timeline: Timeline) -> None:
     assert settings.nats_url
     subjects = Subjects(settings.subject_prefix)
-    nc = await nats.connect(settings.nats_url, name="gpusched-demo")
+    nc = await nats.connect(
+        settings.nats_url,
+        name="gpusched-demo",
+        **natsauth.connect_options(stack_identity(settings, natsauth.SIMULATOR)),
+    )
     p = subjects.prefix
     for subject in (f"{p}.evt.>", f"{p}.cmd.>", f"{p}.jobs.>", f"{p}.audit.preempt.>"):
         await nc.subscribe(subject, cb=timeline.on_message)

@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpusched.cli import cancel, nodes, replicas
+from gpusched.cli import auth, cancel, nodes, replicas
 from gpusched.cli.client import (
     EXIT_USAGE,
     ApiClient,
@@ -47,6 +47,7 @@ from gpusched.cli.client import (
     connect_nats,
     require_database_url,
     require_nats_url,
+    stack_identity,
     stack_settings,
 )
 from gpusched.cli.stack import (
@@ -70,6 +71,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import first_error
+from gpusched.infra import natsauth
 from gpusched.infra.settings import Settings
 
 
@@ -175,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     nodes.add_parsers(sub)
     replicas.add_parsers(sub)
     cancel.add_parsers(sub)
+    auth.add_parsers(sub)
 
     bill = sub.add_parser("bill", help="billing statements per team")
     bill.add_argument("--team")
@@ -363,11 +366,17 @@ def _audit(args: argparse.Namespace) -> int:
     subjects = Subjects(settings.subject_prefix)
 
     async def go() -> int:
-        nc = await connect_nats(require_nats_url(settings), "gpusched-audit")
+        # The audit reader: the one identity that may read the audit stream.
+        nc = await connect_nats(
+            require_nats_url(settings),
+            "gpusched-audit",
+            credentials=stack_identity(settings, natsauth.AUDITOR),
+        )
         try:
             js = nc.jetstream()
             sub = await js.subscribe(
                 subjects.audit(">"),
+                stream=subjects.audit_stream,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
                 manual_ack=False,
             )

@@ -17,7 +17,13 @@ from typing import Any
 
 import yaml
 
-from gpusched.cli.client import ApiClient
+from gpusched.cli.client import (
+    ApiClient,
+    connect_nats,
+    require_nats_url,
+    stack_identity,
+    stack_settings,
+)
 from gpusched.contracts.envelope import make_envelope
 from gpusched.contracts.messages import (
     AddNode,
@@ -28,6 +34,8 @@ from gpusched.contracts.messages import (
     ReloadInventory,
     Wire,
 )
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra import natsauth
 from gpusched.infra.settings import Settings
 from gpusched.simcluster.faults import SIM_NODE_HEALTH, SetNodeHealth
 
@@ -153,12 +161,21 @@ def _tell_agent(node: str, *, healthy: bool, reason: str) -> int:
     settings = Settings()
 
     async def go() -> int:
-        async with ApiClient.for_stack(settings) as api:
+        # The simulated cluster's driver, not the operator's API identity: only it may
+        # send the simulator its commands.
+        resolved = stack_settings(settings)
+        nc = await connect_nats(
+            require_nats_url(resolved),
+            "gpusched-simulator",
+            credentials=stack_identity(resolved, natsauth.SIMULATOR),
+        )
+        try:
             command = SetNodeHealth(node=node, healthy=healthy, reason=reason)
             envelope = make_envelope(SIM_NODE_HEALTH, command, source="cli")
-            await api.nc.jetstream().publish(
-                api.subjects.command("agent", SIM_NODE_HEALTH), envelope.to_bytes()
-            )
+            subject = Subjects(resolved.subject_prefix).command("agent", SIM_NODE_HEALTH)
+            await nc.jetstream().publish(subject, envelope.to_bytes())
+        finally:
+            await nc.close()
         print(f"told the simulated cluster that {node} is {'healthy' if healthy else 'down'}")
         return 0
 

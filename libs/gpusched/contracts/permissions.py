@@ -176,9 +176,14 @@ def auditor_permissions(subjects: Subjects) -> tuple[str, list[str], list[str]]:
 
 
 def simulator_permissions(subjects: Subjects) -> tuple[str, list[str], list[str]]:
-    """Drives the simulated cluster (node faults, demand): its own commands only."""
+    """Drives the simulated cluster (node faults, inference demand) and watches what the
+    control plane does (the demo's timeline): the simulator's own commands, and live
+    reads of events, commands, jobs and audit records. A development identity: a
+    production installation hands it to nobody."""
     name = f"{subjects.prefix}.simulator"
-    return name, [f"{subjects.prefix}.cmd.agent.sim.>"], [_inbox(name)]
+    p = subjects.prefix
+    watched = [f"{p}.evt.>", f"{p}.cmd.>", f"{p}.jobs.>", f"{p}.audit.>"]
+    return name, [f"{p}.cmd.agent.sim.>"], [_inbox(name), *watched]
 
 
 def client_permissions(name: str) -> tuple[list[str], list[str]]:

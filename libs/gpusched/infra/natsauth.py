@@ -219,7 +219,7 @@ class Issuer:
         return None if identity.ttl_s is None else now + identity.ttl_s
 
 
-def _write_secret(path: Path, text: str) -> None:
+def write_secret(path: Path, text: str) -> None:
     """Written whole or not at all, readable by the owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -318,7 +318,7 @@ class AuthBundle:
             node_issuer=_new_key(nkeys.PREFIX_BYTE_ACCOUNT),
         )
         for name in cls._KEYS:
-            _write_secret(bundle.keys_dir / f"{name}.nk", _seed(bundle._key(name)) + "\n")
+            write_secret(bundle.keys_dir / f"{name}.nk", _seed(bundle._key(name)) + "\n")
         for issuer in ("job-issuer", "node-issuer"):
             # Which account a scoped key signs for (its users name it as issuer_account).
             (bundle.keys_dir / f"{issuer}.account").write_text(bundle.service_account_id + "\n")
@@ -381,7 +381,7 @@ class AuthBundle:
 
     def write_creds(self, identity: str, creds: str) -> Path:
         path = self.creds_path(identity)
-        _write_secret(path, creds)
+        write_secret(path, creds)
         return path
 
     # --- the server's side ------------------------------------------------------------
@@ -496,7 +496,7 @@ class AuthBundle:
         )
 
     def write_server_config(self) -> Path:
-        _write_secret(self.server_config, self.server_config_text())
+        write_secret(self.server_config, self.server_config_text())
         return self.server_config
 
 
