@@ -200,6 +200,19 @@ def test_everything_the_image_copies_exists_and_is_not_dockerignored() -> None:
     assert ".venv" in ignored and ".gpusched" in ignored
 
 
+def test_the_credentials_bundle_is_neither_committed_nor_built_into_the_image() -> None:
+    dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert "deploy/secrets" in dockerignore, "COPY deploy would put the credentials in the image"
+    assert "deploy/secrets/" in gitignore
+
+
+def test_the_image_leaves_the_metrics_interface_to_the_deployment() -> None:
+    env = " ".join(args for op, args in dockerfile_instructions() if op == "ENV")
+    assert "GPUSCHED_METRICS_HOST" not in env  # the settings default: 127.0.0.1
+    assert Settings.model_fields["metrics_host"].default == "127.0.0.1"
+
+
 # --- docker compose -------------------------------------------------------------------------
 def test_every_service_has_a_compose_service_running_it_from_the_image() -> None:
     services = compose()["services"]
