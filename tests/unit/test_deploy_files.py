@@ -784,6 +784,40 @@ def test_k8s_each_port_a_pod_serves_is_open_to_exactly_its_clients() -> None:
         assert served <= set(open_ports), f"{name} serves {served}, not all reachable"
 
 
+def test_k8s_cert_manager_issues_a_nats_certificate_for_the_client_and_route_names() -> None:
+    documents = [
+        d
+        for resource in load_yaml(K8S / "cert-manager/kustomization.yaml")["resources"]
+        for d in parsed_documents(K8S / "cert-manager" / resource)
+    ]
+    certificates = {
+        d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Certificate"
+    }
+    issuers = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Issuer"}
+    [nats] = [c for c in certificates.values() if c["secretName"] == "gpusched-nats-tls"]
+    assert {"server auth", "client auth"} <= set(nats["usages"])  # a route dials with it too
+    names = nats["dnsNames"]
+    client_host = urlsplit(k8s_objects("ConfigMap")["gpusched-env"]["data"]["GPUSCHED_NATS_URL"])
+    routes = re.findall(r"nats://([^:\s]+):", nats_conf_block(nats_pod()[2], "cluster"))
+    for host in [client_host.hostname, *routes]:
+        assert any(fnmatch.fnmatch(host, n) and n.count(".") == host.count(".") for n in names), (
+            host
+        )
+    # Its CA signs nothing else: a route accepts any certificate of that CA.
+    ca = issuers[nats["issuerRef"]["name"]]["ca"]["secretName"]
+    assert certificates[ca]["isCA"] is True
+    assert [
+        c for c in certificates.values() if c["issuerRef"]["name"] == nats["issuerRef"]["name"]
+    ] == [nats]
+
+
+def test_kustomize_renders_the_cert_manager_certificates() -> None:
+    result = run_tool("kubectl", "kustomize", "deploy/k8s/cert-manager")
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert all(d["metadata"]["namespace"] == "gpusched" for d in rendered)
+
+
 # --- Prometheus and Grafana -------------------------------------------------------------------
 def test_prometheus_scrapes_every_compose_service_on_the_metrics_port() -> None:
     config = load_yaml(PROMETHEUS / "prometheus.yml")
