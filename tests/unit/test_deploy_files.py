@@ -93,9 +93,43 @@ def compose() -> dict[str, Any]:
     return doc
 
 
-def compose_default(value: str) -> str:
-    """Resolve `${VAR:-default}` as compose does with VAR unset."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+# What the operator exports before `docker compose up` (docs/deploy.md, "Security").
+COMPOSE_VARIABLES = {"POSTGRES_PASSWORD": "from-the-environment"}
+
+
+def compose_value(value: str) -> str:
+    """Interpolate as compose does with COMPOSE_VARIABLES set and nothing else: a
+    `${VAR:?error}` needs VAR, a `${VAR:-default}` falls back to its default."""
+
+    def one(match: re.Match[str]) -> str:
+        name, operator, fallback = match.groups()
+        if name in COMPOSE_VARIABLES:
+            return COMPOSE_VARIABLES[name]
+        assert operator == ":-", f"compose refuses to start without {name}"
+        return fallback
+
+    return re.sub(r"\$\{([A-Z_]+)(:[-?])([^}]*)\}", one, value)
+
+
+def compose_secret_files(service: dict[str, Any]) -> dict[str, str]:
+    """Path in the container -> file on the host, of the compose secrets a service names."""
+    declared = compose()["secrets"]
+    files = {}
+    for entry in service.get("secrets", []):
+        source, target = (
+            (entry, entry)
+            if isinstance(entry, str)
+            else (entry["source"], entry.get("target", entry["source"]))
+        )
+        path = target if target.startswith("/") else f"/run/secrets/{target}"
+        files[path] = declared[source]["file"]
+    return files
+
+
+def compose_bind_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Path in the container -> path on the host, of a service's bind mounts."""
+    mounts = [v.split(":") for v in service.get("volumes", [])]
+    return {m[1]: m[0] for m in mounts if m[0].startswith(".")}
 
 
 @functools.cache
@@ -417,7 +451,7 @@ def test_compose_services_reach_nats_and_postgres_of_the_stack(
     services = compose()["services"]
     pg_env = services["postgres"]["environment"]
     for name in BUS_AND_DB_USERS:
-        env = {k: compose_default(str(v)) for k, v in services[name]["environment"].items()}
+        env = {k: compose_value(str(v)) for k, v in services[name]["environment"].items()}
         assert_known_settings(env)
         settings = settings_from(env, monkeypatch)
         nats_url, db_url = settings.require_urls()
@@ -442,7 +476,8 @@ def test_compose_services_start_after_migrate_which_waits_for_healthy_servers() 
         "postgres": {"condition": "service_healthy"},
     }
     assert services["migrate"]["restart"] == "no"
-    assert "-js" in services["nats"]["command"]
+    config = compose_nats_config()[1]
+    assert "jetstream" in config and "store_dir: /data" in config
     assert services["nats"]["image"].startswith("nats:2.10")
     assert services["postgres"]["image"] == "postgres:16"
     for server in ("nats", "postgres"):
@@ -461,8 +496,92 @@ def test_compose_prometheus_and_grafana_load_the_deploy_configuration() -> None:
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
 
 
+def compose_nats_config() -> tuple[Path, str]:
+    """The path NATS reads its configuration from in the container, and that file."""
+    nats = compose()["services"]["nats"]
+    path = nats["command"][nats["command"].index("--config") + 1]
+    return Path(path), (ROOT / compose_bind_mounts(nats)[path]).read_text()
+
+
+def test_compose_publishes_only_the_ui_and_nats_client_ports_and_only_on_localhost() -> None:
+    published = {}
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            host, _, container_port = port.split(":")
+            assert host == "127.0.0.1", f"{name} publishes {port} beyond this host"
+            published[name] = int(container_port)
+    assert published == {"nats": 4222, "prometheus": 9090, "grafana": 3000}
+    for name in SERVICES:
+        assert compose()["services"][name]["expose"] == [str(METRICS_PORT)]
+
+
+def test_compose_has_no_default_password() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert not re.search(r"\$\{[A-Z_]*PASSWORD:-", text), "a password with a default"
+    services = compose()["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith(
+        "${POSTGRES_PASSWORD:?"
+    )
+    grafana = services["grafana"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
+    password_file = grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    assert compose_secret_files(grafana)[password_file].startswith("./deploy/secrets/")
+
+
+def test_compose_every_process_authenticates_to_nats_with_its_own_credentials() -> None:
+    services = compose()["services"]
+    seen = set()
+    for name, identity in NATS_IDENTITY.items():
+        path = services[name]["environment"]["GPUSCHED_NATS_CREDENTIALS"]
+        host_file = compose_secret_files(services[name]).get(path)
+        assert host_file == f"./deploy/secrets/creds/{identity}.creds", name
+        assert host_file not in seen
+        seen.add(host_file)
+
+
+def test_compose_only_admission_holds_the_job_credential_signing_key() -> None:
+    services = compose()["services"]
+    for name in NATS_IDENTITY:
+        key = services[name]["environment"].get("GPUSCHED_SECURITY__JOB_SIGNING_KEY")
+        files = compose_secret_files(services[name])
+        if name == "admission":
+            assert files[key] == "./deploy/secrets/keys/job-issuer.nk"
+        else:
+            assert key is None and "./deploy/secrets/keys/job-issuer.nk" not in files.values()
+
+
+def test_compose_nats_takes_its_accounts_from_the_bundle_and_keeps_monitoring_inside() -> None:
+    path, config = compose_nats_config()
+    [include] = nats_conf_values(config, "include")
+    mounts = compose_bind_mounts(compose()["services"]["nats"])
+    included = path.parent / include
+    assert mounts[str(included.parent)] + "/" + included.name == "./deploy/secrets/server/auth.conf"
+    [http] = nats_conf_values(config, "http")
+    assert urlsplit(f"//{http}").hostname == "127.0.0.1"
+    healthcheck = " ".join(compose()["services"]["nats"]["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{urlsplit(f'//{http}').port}/healthz" in healthcheck
+
+
+def test_compose_nats_config_with_the_bundle_mounted_is_accepted_by_nats_server(
+    tmp_path: Path, auth_fragment: str
+) -> None:
+    path, config = compose_nats_config()
+    nats = compose()["services"]["nats"]
+    root = tmp_path / "container"
+    mounts = [v.split(":")[1] for v in nats["volumes"]]
+    for mount in mounts:
+        (root / mount.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+    bundle_dir = next(c for c, h in compose_bind_mounts(nats).items() if h.endswith("/server"))
+    (root / bundle_dir.lstrip("/")).mkdir(parents=True)
+    (root / bundle_dir.lstrip("/") / "auth.conf").write_text(auth_fragment)
+    (root / path.relative_to("/")).write_text(under_root(root, config, mounts))
+    nats_server_accepts(root / path.relative_to("/"))
+
+
 def test_compose_file_is_valid_for_docker_compose() -> None:
-    result = run_tool("docker-compose", "-f", "docker-compose.yml", "config", "-q")
+    result = run_tool(
+        "docker-compose", "-f", "docker-compose.yml", "config", "-q", env=COMPOSE_VARIABLES
+    )
     assert result.returncode == 0, result.stderr
 
 
