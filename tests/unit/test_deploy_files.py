@@ -693,6 +693,28 @@ def test_k8s_installs_no_secret_so_an_unedited_apply_cannot_run_on_a_placeholder
         assert "CHANGE-ME" not in (K8S / resource).read_text(), resource
 
 
+def test_k8s_every_secret_the_pods_use_has_its_kubectl_command_in_the_docs() -> None:
+    used = set().union(*(secrets_referred_to(pod) for pod in k8s_pods().values()))
+    assert used == set(SECRETS)
+    text = (ROOT / "docs/deploy.md").read_text().replace("\\\n", " ")
+    documented: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if "create secret generic" not in line:
+            continue
+        words = shlex.split(line.split("kubectl", 1)[1])
+        assert words[:2] == ["-n", "gpusched"], line
+        name = words[words.index("generic") + 1]
+        keys = {
+            w.split("=", 2)[1]
+            for w in words
+            if w.startswith(("--from-file=", "--from-literal=")) and w.count("=") >= 2
+        }
+        documented.setdefault(name, set()).update(keys)
+    for name, keys in SECRETS.items():
+        assert name in documented, f"docs/deploy.md has no `kubectl create secret` for {name}"
+        assert documented[name] == keys, f"{name}: the docs create {documented[name]}, not {keys}"
+
+
 def test_k8s_every_pod_runs_as_its_own_service_account_without_an_api_token() -> None:
     accounts = k8s_objects("ServiceAccount")
     pods = k8s_pods()
