@@ -6,9 +6,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Prometheus scrapes /metrics from outside the container, so bind every interface.
-ENV GPUSCHED_METRICS_HOST=0.0.0.0 \
-    GPUSCHED_METRICS_PORT=9100
+# /metrics is unauthenticated, so the image does not choose the interface: it stays on
+# the settings default (127.0.0.1) unless the deployment sets GPUSCHED_METRICS_HOST
+# (compose: the container's network; Kubernetes: the pod IP, behind a NetworkPolicy).
+ENV GPUSCHED_METRICS_PORT=9100
 
 # Writable state (the agent's job dirs and checkpoints) lives outside the code tree,
 # so the code stays owned by root and read-only for the service user.

