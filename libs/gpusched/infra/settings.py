@@ -119,9 +119,14 @@ class CheckpointSettings(Section):
     deadline_policy: dict[str, str] = Field(
         default_factory=lambda: {"p0-urgent": "abort", "p1-normal": "abort", "p2-offline": "force"}
     )
-    # Check file:// claims (exists, size, sha256) before evicting on them; turn off only
-    # where the service cannot see the jobs' storage (claims are then taken on trust).
+    # Check file:// claims (exists, size, sha256) before evicting on them. Off (the
+    # service cannot see the jobs' storage), it verifies nothing: only schemes named in
+    # trusted_schemes are then accepted, so it must name at least one.
     verify_uris: bool = True
+    # Per priority class: URI schemes taken on trust, unverified, e.g. {"p2-offline":
+    # ["s3"]}. A claim the service cannot verify whose scheme its job's class does not
+    # trust is refused (docs/checkpoint-operations.md). Default: none.
+    trusted_schemes: dict[str, list[str]] = Field(default_factory=dict)
     retention_per_job: int = Field(
         default=5, ge=1, description="confirmed checkpoints kept per job in the catalogue"
     )
