@@ -142,6 +142,13 @@ class AgentSettings(Section):
     telemetry_interval_s: float = Field(default=1.0, gt=0)
     time_scale: float = Field(default=1.0, gt=0, description="virtual seconds per real second")
     workdir: Path = Path(".gpusched/agent")
+    # Under root, `process` workloads run as this user (name or uid), never as root
+    # unless allow_root_workloads; an agent that is not root runs them as itself.
+    run_as: str = "nobody"
+    allow_root_workloads: bool = False
+    # Variables of the agent's environment a process workload also gets (it has PATH,
+    # LANG, LC_*, TZ and its job's GPUSCHED_* ones), e.g. ["CUDA_HOME", "HF_HOME"].
+    workload_env: list[str] = Field(default_factory=list)
 
 
 class Settings(BaseSettings):
