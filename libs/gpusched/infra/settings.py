@@ -55,6 +55,9 @@ class AdmissionSettings(Section):
     schedule_interval_s: float = Field(default=1.0, gt=0)
     # Teams, quotas and max priority classes (docs/admission-operator.md); None: no quotas.
     quotas_path: Path | None = None
+    # Without a quotas file no team may submit `process` workloads unless this is on
+    # (with one, its per-team allow_process decides).
+    allow_process_workloads_without_quotas: bool = False
     # A gang waiting this long holds the freeing GPUs of its best node (a reservation).
     reserve_after_s: float = Field(default=300.0, ge=0)
     # Waiting longer: offered fewer GPUs if it allows (min_count), else its reservation
