@@ -38,6 +38,12 @@ def stack_torch(settings: Settings, tmp_path: Path) -> Iterator[Stack]:
         "GPUSCHED_CHECKPOINT__GRACE_S": "60",
         # Preemptible from its first step: the run is seconds long, not hours.
         "GPUSCHED_PREEMPTION__MIN_RUNTIME_S": "0",
+        # A process workload is a capability an operator gives: no quotas file here.
+        "GPUSCHED_ADMISSION__ALLOW_PROCESS_WORKLOADS_WITHOUT_QUOTAS": "true",
+        # The test's interpreter (with torch) and its result path may be where only the
+        # test's user can read them: under root, the agent is allowed to keep it.
+        "GPUSCHED_AGENT__RUN_AS": "root",
+        "GPUSCHED_AGENT__ALLOW_ROOT_WORKLOADS": "true",
     }
     yield from start_stack(_stack_settings(settings, tmp_path), tmp_path, extra)
 

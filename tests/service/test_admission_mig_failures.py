@@ -225,6 +225,7 @@ async def test_the_simulated_agent_refuses_a_change_of_a_gpu_that_still_runs_a_w
                 gpus=[WireGpu(node="inf-00", index=0, model="A100-80GB")],
                 workload=WorkloadSpec(kind="sim", steps=100_000, step_seconds=0.05),
             ),
+            source="admission",  # the agent takes workloads from admission only
         )
 
         async def started() -> bool:
@@ -241,6 +242,7 @@ async def test_the_simulated_agent_refuses_a_change_of_a_gpu_that_still_runs_a_w
                 model="A100-80GB",
                 profiles=["7g.80gb"],
             ),
+            source="admission",
         )
         (report,) = await client.at_least(client.s.event("agent", T.MIG_CONFIGURE_FAILED), 1)
         assert report.data["change_id"] == "mig-busy"

@@ -460,6 +460,7 @@ teams:
   research:
     max_priority: p2-offline
     above_max: hold
+    allow_process: true
     gpus:
       "*": {guaranteed: 1, max: 4}
 """
@@ -527,6 +528,50 @@ async def test_bad_submissions_get_a_clear_code_and_nothing_is_stored(
     assert await governed.rows("jobs") == 0
     rejected = await client.audits("job.rejected", "nobody", 1)
     assert "unknown_team" in rejected[0].data["reason"]
+
+
+PROCESS = {"kind": "process", "argv": ["python", "train.py"]}
+
+
+async def test_a_process_workload_of_a_team_not_allowed_it_is_forbidden_stored_nowhere_and_audited(
+    governed: Admission, client: Client
+) -> None:
+    reply = await client.submit(name="forged", workload=PROCESS, gpus={"count": 1})
+
+    assert reply["ok"] is False, reply
+    assert reply["error"]["code"] == "forbidden"
+    assert "ask an operator to set allow_process for team vision" in reply["error"]["message"]
+    assert await governed.rows("jobs") == 0
+    [rejected] = await client.audits("job.rejected", "vision", 1)
+    assert rejected.data["reason"].startswith("forbidden: team vision may not submit process")
+    assert rejected.data["details"]["workload"] == "process"
+    assert rejected.data["details"]["code"] == "forbidden"
+    # The team the quotas file allows it is admitted; a sim workload needs nothing.
+    allowed = await client.submitted(
+        name="script", team="research", priority_class="p2-offline", workload=PROCESS
+    )
+    await client.submitted(name="sim", gpus={"count": 1})
+    assert (await client.job(allowed))["state"] in {"queued", "running"}
+
+
+async def test_without_a_quotas_file_process_workloads_are_forbidden_unless_the_setting_allows(
+    admission_settings: Settings, client: Client
+) -> None:
+    running = await start_with(admission_settings)
+    try:
+        reply = await client.submit(workload=PROCESS)
+        assert reply["ok"] is False and reply["error"]["code"] == "forbidden", reply
+        assert "allow_process" in reply["error"]["message"]
+        assert await running.rows("jobs") == 0
+        await client.audits("job.rejected", "vision", 1)
+    finally:
+        await running.stop()
+
+    running = await start_with(admission_settings, allow_process_workloads_without_quotas=True)
+    try:
+        await client.submitted(workload=PROCESS)
+    finally:
+        await running.stop()
 
 
 async def test_a_job_above_its_teams_max_priority_is_held_until_an_operator_approves_it(

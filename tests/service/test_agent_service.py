@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import pwd
 import sys
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -32,6 +36,7 @@ from gpusched.contracts.messages import (
     InferenceStats,
     InventoryLoaded,
     InventoryNode,
+    MigConfigure,
     StageName,
     StartWorkload,
     T,
@@ -47,6 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Every step of a teardown is bounded by this: a fixture never hangs a test run.
 _STOP_S = 30.0
 TRAIN_LOOP = REPO / "examples" / "train_loop.py"
+# Who sends each command to the agent, as the envelope says (the agent checks it).
+PRODUCER = {T.START_WORKLOAD: "admission", T.EVICT_WORKLOAD: "checkpoint"}
 
 
 @dataclass
@@ -73,13 +80,19 @@ class Cluster:
     def s(self) -> Subjects:
         return self.rt.subjects
 
-    async def send(self, subject: str, message_type: str, payload: BaseModel) -> Envelope:
-        envelope = make_envelope(message_type, payload, source="test")
+    async def send(
+        self, subject: str, message_type: str, payload: BaseModel, source: str = "test"
+    ) -> Envelope:
+        envelope = make_envelope(message_type, payload, source=source)
         await self.rt.js.publish(subject, envelope.to_bytes(), headers={"Nats-Msg-Id": envelope.id})
         return envelope
 
-    async def command(self, message_type: str, payload: BaseModel) -> Envelope:
-        return await self.send(self.s.command("agent", message_type), message_type, payload)
+    async def command(
+        self, message_type: str, payload: BaseModel, source: str | None = None
+    ) -> Envelope:
+        """A command to the agent, from its real producer unless `source` says otherwise."""
+        sender = source or PRODUCER.get(message_type, "test")
+        return await self.send(self.s.command("agent", message_type), message_type, payload, sender)
 
     async def start(self, alloc: str, job: str, spec: WorkloadSpec, **kw: object) -> Envelope:
         gpus = [GpuRef(node="shared-00", index=i, model="A100-80GB") for i in (0, 1)]
@@ -137,15 +150,11 @@ class Cluster:
         raise AssertionError(f"no matching message on {subject} in {within}s (last: {last})")
 
 
-@pytest.fixture
-async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
-    fast = settings.model_copy(
-        update={
-            "agent": AgentSettings(
-                telemetry_interval_s=0.2, time_scale=1.0, workdir=tmp_path / "agent"
-            )
-        }
-    )
+@asynccontextmanager
+async def running_cluster(
+    settings: Settings, agent_settings: AgentSettings
+) -> AsyncIterator[Cluster]:
+    fast = settings.model_copy(update={"agent": agent_settings})
     rt = ServiceRuntime("agent", "agent", fast, None)
     await rt.start()
     agent = await start_agent(rt)
@@ -169,6 +178,30 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
             await asyncio.wait_for(agent.close(), _STOP_S)
         finally:
             await harness.stop_service()
+
+
+def fast_agent(tmp_path: Path, **fields: Any) -> AgentSettings:
+    return AgentSettings(
+        **{"telemetry_interval_s": 0.2, "time_scale": 1.0, "workdir": tmp_path / "agent", **fields}
+    )
+
+
+@pytest.fixture
+async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
+    """The agent as deployed: process workloads run as `nobody` (under root)."""
+    async with running_cluster(settings, fast_agent(tmp_path)) as harness:
+        yield harness
+
+
+@pytest.fixture
+async def python_cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
+    """For tests of a Python job's life (checkpoint, evict, exit), not of its identity:
+    the test's interpreter and its SDK may sit where an unprivileged user cannot read
+    them (a private home directory), so the agent is explicitly allowed to run its
+    workloads as root. The identity tests below use the `cluster` fixture."""
+    allowed = fast_agent(tmp_path, run_as="root", allow_root_workloads=True)
+    async with running_cluster(settings, allowed) as harness:
+        yield harness
 
 
 def sim(
@@ -384,8 +417,9 @@ async def test_inference_demand_sets_the_utilization_of_every_serving_gpu(
 
 
 async def test_a_process_workload_checkpoints_is_evicted_with_sigterm_and_leaves_no_process(
-    cluster: Cluster,
+    python_cluster: Cluster,
 ) -> None:
+    cluster = python_cluster
     await cluster.start("alloc-8", "job-8", process("--steps", "100000", "--step-seconds", "0.02"))
     await cluster.agent_events(T.WORKLOAD_STARTED)
     await cluster.job_events_until("job-8", _is(T.JOB_PROGRESS))
@@ -406,8 +440,9 @@ async def test_a_process_workload_checkpoints_is_evicted_with_sigterm_and_leaves
 
 
 async def test_a_process_that_exits_zero_is_reported_completed_and_one_that_fails_failed(
-    cluster: Cluster,
+    python_cluster: Cluster,
 ) -> None:
+    cluster = python_cluster
     await cluster.start("alloc-9", "job-9", process("--steps", "5", "--step-seconds", "0.01"))
     done = await cluster.job_events_until("job-9", _is(T.JOB_COMPLETED))
     assert done[0].data["job_id"] == "job-9"
@@ -421,8 +456,9 @@ async def test_a_process_that_exits_zero_is_reported_completed_and_one_that_fail
 
 
 async def test_stopping_the_agent_service_leaves_no_process_behind_and_reports_it_interrupted(
-    cluster: Cluster, settings: Settings
+    python_cluster: Cluster, settings: Settings
 ) -> None:
+    cluster = python_cluster
     forever = process("--steps", "100000", "--step-seconds", "0.02")
     await cluster.start("alloc-11", "job-11", forever)
     await cluster.job_events_until("job-11", _is(T.JOB_STARTED))
@@ -440,6 +476,121 @@ async def test_stopping_the_agent_service_leaves_no_process_behind_and_reports_i
         await nc.close()
     stopped = Envelope.from_bytes(msg.data)
     assert (stopped.data["allocation_id"], stopped.data["reason"]) == ("alloc-11", "interrupted")
+
+
+# --- who a process workload runs as, and what it sees -------------------------------------
+
+# What the child reports about itself: uid, groups, working directory, whether it can
+# write its checkpoint directory, then its whole environment.
+_WHOAMI = (
+    'id -u; id -G; pwd; touch "$GPUSCHED_CHECKPOINT_DIR/written" && echo writable; echo ---; env'
+)
+_AGENT_SECRETS = {
+    "GPUSCHED_NATS_CREDENTIALS": "/etc/gpusched/agent.creds",
+    "GPUSCHED_DATABASE_URL": "postgresql+asyncpg://agent:secret@db/gpusched",
+    "GPUSCHED_SECURITY__OPERATOR_TOKEN": "op-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent switches users only under root")
+async def test_a_process_workload_runs_unprivileged_in_its_own_directory_without_agent_secrets(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in _AGENT_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    nobody = pwd.getpwnam("nobody")
+    spec = WorkloadSpec(kind="process", argv=["/bin/sh", "-c", _WHOAMI])
+
+    await cluster.start("alloc-who", "job-who", spec)
+
+    [stopped] = await cluster.agent_events(T.WORKLOAD_STOPPED)
+    job_dir = tmp_path / "agent" / "job-who"
+    report = (job_dir / "attempt-1.log").read_text()
+    assert (stopped.data["reason"], stopped.data["exit_code"]) == ("completed", 0), report
+    facts, _, environment = report.partition("---\n")
+    uid, groups, cwd, writable = facts.split()
+    assert int(uid) == nobody.pw_uid != 0
+    assert groups.split() == [str(nobody.pw_gid)]  # no supplementary group of the agent
+    assert Path(cwd) == job_dir
+    assert writable == "writable"
+    assert (job_dir / "written").stat().st_uid == nobody.pw_uid
+    env = dict(line.split("=", 1) for line in environment.splitlines() if "=" in line)
+    assert not set(_AGENT_SECRETS) & set(env), env
+    assert not any(name.startswith("GPUSCHED_SECURITY") for name in env)
+    assert env["GPUSCHED_JOB_ID"] == "job-who"
+    assert env["GPUSCHED_CHECKPOINT_DIR"] == str(job_dir)
+    assert env["HOME"] == str(job_dir)
+    assert env["USER"] == "nobody"
+    # Other users may pass through the workdir to their own directory, not list it.
+    assert (tmp_path / "agent").stat().st_mode & 0o777 == 0o711
+    assert job_dir.stat().st_mode & 0o777 == 0o700
+
+
+async def test_commands_not_from_their_producer_are_refused_dead_lettered_and_audited(
+    cluster: Cluster,
+) -> None:
+    forged = [
+        # The forged start of the issue: a process workload, as if from a job.
+        await cluster.command(
+            T.START_WORKLOAD,
+            StartWorkload(
+                allocation_id="alloc-forged",
+                job_id="job-forged",
+                attempt=1,
+                gpus=[GpuRef(node="shared-00", index=0, model="A100-80GB")],
+                workload=WorkloadSpec(kind="process", argv=["id"]),
+            ),
+            source="sdk",
+        ),
+        await cluster.command(
+            T.START_WORKLOAD,
+            StartWorkload(
+                allocation_id="alloc-forged-2",
+                job_id="job-forged",
+                attempt=1,
+                gpus=[],
+                workload=sim(),
+            ),
+            source="checkpoint",
+        ),
+        await cluster.command(
+            T.EVICT_WORKLOAD,
+            EvictWorkload(allocation_id="alloc-x", job_id="job-x", saga_id="saga-x"),
+            source="billing",
+        ),
+        await cluster.command(
+            T.MIG_CONFIGURE,
+            MigConfigure(change_id="mig-x", node="inf-00", gpu=0, model="A100-80GB", profiles=[]),
+            source="preemption",
+        ),
+    ]
+
+    dead = await stream_messages(cluster.rt.js, cluster.s.dead_letter("agent"), len(forged))
+    assert sorted(Envelope.from_bytes(m.data).id for m in dead) == sorted(e.id for e in forged)
+    assert {(m.headers or {}).get("Gpusched-Reason") for m in dead} == {"rejected"}
+    audits = await cluster.events(cluster.s.audit("message.dead_lettered"), len(forged))
+    reasons = [a.data["reason"] for a in audits]
+    assert all(a.data["actor"] == "agent" for a in audits)
+    assert any("workload.start from 'sdk' refused: only admission" in r for r in reasons), reasons
+    assert any("workload.evict from 'billing' refused" in r for r in reasons), reasons
+    # Nothing of them ran, and nothing was reported.
+    assert cluster.agent.running_allocations == []
+    assert await cluster.stored(cluster.s.event("agent", T.WORKLOAD_STARTED)) == 0
+    assert await cluster.stored(cluster.s.event("agent", T.EVICT_FAILED)) == 0
+    assert await cluster.stored(cluster.s.event("agent", T.MIG_CONFIGURED)) == 0
+
+    # The same commands from their producers are carried out.
+    await cluster.start("alloc-real", "job-real", sim())
+    [started] = await cluster.agent_events(T.WORKLOAD_STARTED)
+    assert started.data["allocation_id"] == "alloc-real"
+    await cluster.command(
+        T.EVICT_WORKLOAD,
+        EvictWorkload(allocation_id="alloc-real", job_id="job-real", saga_id="cancel-1"),
+        source="admission",  # a cancel or a replica scale-down
+    )
+    [stopped] = await cluster.agent_events(T.WORKLOAD_STOPPED)
+    assert stopped.data["reason"] == "evicted"
 
 
 # --- robustness ----------------------------------------------------------------------------

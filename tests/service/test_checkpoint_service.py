@@ -29,12 +29,15 @@ from gpusched.checkpoint import app
 from gpusched.checkpoint.api import get_saga_subject, latest_checkpoint_subject
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.messages import (
+    AllocationGranted,
     CheckpointConfirmed,
     CheckpointFailed,
     EvictFailed,
     EvictionRequested,
     EvictionWithdrawn,
+    GpuRef,
     JobCompleted,
+    JobKind,
     PriorityClassName,
     StageName,
     StopReason,
@@ -173,6 +176,42 @@ async def confirm(
         payload,
         correlation_id=job_id or v.job_id,
     )
+
+
+async def granted(
+    rt: ServiceRuntime, v: Victim, priority_class: PriorityClassName = PriorityClassName.P1_NORMAL
+) -> Envelope:
+    """Admission grants the job its GPUs: the checkpoint service learns its class."""
+    payload = AllocationGranted(
+        allocation_id=v.allocation_id,
+        job_id=v.job_id,
+        team="vision",
+        kind=JobKind.TRAINING,
+        priority_class=priority_class,
+        pool="shared",
+        gpus=[GpuRef(node="shared-00", index=0, model="A100-80GB")],
+        granted_at=utcnow(),
+        attempt=1,
+        checkpointable=True,
+    )
+    subject = rt.subjects.event("admission", T.ALLOCATION_GRANTED)
+    envelope = await publish(rt, subject, T.ALLOCATION_GRANTED, payload, correlation_id=v.job_id)
+
+    async def known() -> bool:
+        async with rt.uow() as uow:
+            result = await uow.execute(
+                "SELECT priority_class FROM checkpoint.job_classes WHERE job_id = :j",
+                {"j": v.job_id},
+            )
+            return result.scalar_one_or_none() == priority_class.value
+
+    await eventually(known, within=WITHIN)
+    return envelope
+
+
+def claimed(uri: str, size: int = 1234) -> dict[str, Any]:
+    """A claim about an object the test never wrote (storage the service cannot read)."""
+    return {"uri": uri, "bytes": size, "sha256": hashlib.sha256(uri.encode()).hexdigest()}
 
 
 async def workload_stopped(rt: ServiceRuntime, v: Victim, saga_id: str) -> Envelope:
@@ -508,6 +547,10 @@ async def test_malformed_messages_on_every_consumed_subject_are_dead_lettered_an
             rt.subjects.event("agent", T.WORKLOAD_STOPPED),
             raw(T.WORKLOAD_STOPPED, {"allocation_id": v.allocation_id, "reason": "vanished"}),
         ),
+        (
+            rt.subjects.event("admission", T.ALLOCATION_GRANTED),
+            raw(T.ALLOCATION_GRANTED, {"job_id": v.job_id, "priority_class": "p0-urgent"}),
+        ),
     ]
     for subject, body in bad:
         await rt.js.publish(subject, body)
@@ -694,17 +737,132 @@ async def test_an_evictions_confirmation_is_announced_with_its_request(
     )
 
 
-async def test_with_verification_off_every_claim_is_taken_on_trust_and_audited_as_such(
+async def test_with_verification_off_only_the_schemes_trusted_for_the_class_are_accepted(
     settings: Settings,
 ) -> None:
-    async with running(with_checkpoint(settings, verify_uris=False)) as rt:
-        v = victim()
-        await confirm(rt, v, 10, claim={"sha256": "0" * 64})
+    blind = with_checkpoint(settings, verify_uris=False, trusted_schemes={"p2-offline": ["file"]})
+    async with running(blind) as rt:
+        offline, normal = victim(), victim()
+        await granted(rt, offline, PriorityClassName.P2_OFFLINE)
+        await granted(rt, normal, PriorityClassName.P1_NORMAL)
+        await confirm(rt, offline, 10, claim={"sha256": "0" * 64})  # not read: not caught
+        await confirm(rt, normal, 10)
 
         [announced] = await wait_for(rt, outcome(rt, T.CHECKPOINT_VERIFIED))
+        assert announced.data["job_id"] == offline.job_id
         assert announced.data["checkpoint"]["sha256"] == "0" * 64
-        trusted = await wait_for_audit(rt, v.job_id, "checkpoint.trusted")
-        assert trusted["details"]["verification"] == "unverifiable"
+        trusted = await wait_for_audit(rt, offline.job_id, "checkpoint.trusted")
+        assert "trusted without verification" in trusted["reason"]
+        assert trusted["details"]["verification"] == "trusted"
+        assert trusted["details"]["scheme"] == "file"
+        assert trusted["details"]["priority_class"] == "p2-offline"
+        # A true file claim is not verified either with verification off, and p1-normal
+        # trusts nothing: refused.
+        refused = await wait_for_audit(rt, normal.job_id, "checkpoint.unverified")
+        assert refused["details"]["verification"] == "untrusted"
+        assert refused["details"]["priority_class"] == "p1-normal"
+        latest = await ask(rt, latest_checkpoint_subject(rt.subjects), {"job_id": normal.job_id})
+        assert latest["checkpoint"] is None
+
+
+# --- URI schemes the service cannot verify ------------------------------------------------
+
+
+async def test_an_s3_claim_of_a_p1_job_with_no_trust_is_refused_and_nothing_is_evicted_on_it(
+    hasty: Settings,
+) -> None:
+    async with running(hasty) as rt:
+        v = victim()
+        await request_eviction(rt, v, PriorityClassName.P1_NORMAL)
+        saga_id = (await checkpoint_requested(rt, v)).correlation_id
+        assert saga_id is not None
+
+        forged = claimed("s3://attacker-bucket/evil.pt")
+        await confirm(rt, v, 10, request_id=v.request_id, claim=forged)
+
+        refused = await wait_for_audit(rt, saga_id, "checkpoint.unverified")
+        assert refused["details"]["job_id"] == v.job_id
+        assert refused["details"]["verification"] == "untrusted"
+        assert refused["details"]["scheme"] == "s3"
+        assert refused["details"]["priority_class"] == "p1-normal"
+        assert "not trusted for class p1-normal" in refused["reason"]
+        # The deadline decides, as if no claim had come: p1-normal aborts, evicts nothing.
+        [aborted] = await wait_for(rt, outcome(rt, T.EVICTION_ABORTED))
+        assert aborted.data["reason"] == "deadline_aborted"
+        assert await stored(rt, evict_commands(rt)) == []
+        assert (await saga_of(rt, v.job_id))["checkpoint"] is None
+        # Never catalogued nor announced: nothing resumes from it.
+        latest = await ask(rt, latest_checkpoint_subject(rt.subjects), {"job_id": v.job_id})
+        assert latest["checkpoint"] is None
+        assert await stored(rt, outcome(rt, T.CHECKPOINT_VERIFIED)) == []
+
+
+async def test_a_scheme_trusted_for_a_class_is_accepted_for_it_and_audited_unverified(
+    settings: Settings,
+) -> None:
+    trusting = with_checkpoint(
+        settings, grace_s=120.0, sweep_interval_s=0.1, trusted_schemes={"p2-offline": ["S3"]}
+    )
+    async with running(trusting) as rt:
+        offline, periodic, normal, unknown = victim(), victim(), victim(), victim()
+        await request_eviction(rt, offline, PriorityClassName.P2_OFFLINE)
+        await checkpoint_requested(rt, offline)
+        await granted(rt, periodic, PriorityClassName.P2_OFFLINE)
+        await granted(rt, normal, PriorityClassName.P1_NORMAL)
+
+        uri = "s3://checkpoints/offline/ckpt-10.pt"
+        await confirm(rt, offline, 10, request_id=offline.request_id, claim=claimed(uri))
+        [evict] = await wait_for(rt, evict_commands(rt))
+        assert (evict.data["job_id"], evict.data["forced"]) == (offline.job_id, False)
+        trusted = await wait_for_audit(rt, offline.job_id, "checkpoint.trusted")
+        assert trusted["reason"].startswith(
+            f"checkpoint ckpt-10 of job {offline.job_id} trusted without verification"
+        )
+        assert trusted["details"]["verification"] == "trusted"
+        assert trusted["details"]["scheme"] == "s3"
+        assert trusted["details"]["priority_class"] == "p2-offline"
+        assert trusted["details"]["checkpoint"]["uri"] == uri
+
+        # A periodic claim: the class comes from admission's grant.
+        await confirm(rt, periodic, 5, claim=claimed("s3://checkpoints/periodic/5.pt"))
+        await wait_for_audit(rt, periodic.job_id, "checkpoint.trusted")
+        # Trusted for p2-offline only: a p1-normal job's claim, or that of a job whose
+        # class the service has not learned, is refused.
+        await confirm(rt, normal, 5, claim=claimed("s3://checkpoints/normal/5.pt"))
+        await confirm(rt, unknown, 5, claim=claimed("s3://checkpoints/unknown/5.pt"))
+        refused = await wait_for_audit(rt, normal.job_id, "checkpoint.unverified")
+        assert refused["details"]["priority_class"] == "p1-normal"
+        stranger = await wait_for_audit(rt, unknown.job_id, "checkpoint.unverified")
+        assert stranger["details"]["priority_class"] is None
+        assert "not known" in stranger["reason"]
+
+        announced = await wait_for(rt, outcome(rt, T.CHECKPOINT_VERIFIED), 2)
+        assert {e.data["job_id"] for e in announced} == {offline.job_id, periodic.job_id}
+        latest = await ask(rt, latest_checkpoint_subject(rt.subjects), {"job_id": normal.job_id})
+        assert latest["checkpoint"] is None
+
+
+async def test_a_claim_whose_uri_is_malformed_or_has_no_scheme_is_refused(
+    service: ServiceRuntime,
+) -> None:
+    rt = service
+    bad = [
+        "checkpoints/ckpt-1.pt",  # no scheme
+        "/var/ckpt/ckpt-2.pt",  # a path, not a URI
+        "http://[::1/ckpt-3.pt",  # not a URI at all
+        "file:ckpt-4.pt",  # relative: read from wherever each reader runs
+        "file://attacker.example/ckpt-5.pt",  # a host the service would ignore
+    ]
+    jobs = [victim() for _ in bad]
+    for step, (v, uri) in enumerate(zip(jobs, bad, strict=True), start=1):
+        await confirm(rt, v, step, claim={"uri": uri})
+
+    for v, uri in zip(jobs, bad, strict=True):
+        record = await wait_for_audit(rt, v.job_id, "checkpoint.unverified")
+        assert record["details"]["verification"] == "malformed", (uri, record)
+        assert record["details"]["scheme"] is None
+        assert record["details"]["claim"]["uri"] == uri
+    assert await stored(rt, outcome(rt, T.CHECKPOINT_VERIFIED)) == []
 
 
 async def test_a_false_claim_leaves_the_deadline_to_decide_and_the_force_is_audited(

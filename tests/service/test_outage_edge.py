@@ -81,8 +81,10 @@ class ControlPlane:
     js: JetStreamContext
     s: Subjects
 
-    async def send(self, subject: str, message_type: str, payload: BaseModel) -> Envelope:
-        envelope = make_envelope(message_type, payload, source="test")
+    async def send(
+        self, subject: str, message_type: str, payload: BaseModel, source: str = "test"
+    ) -> Envelope:
+        envelope = make_envelope(message_type, payload, source=source)
         await self.js.publish(subject, envelope.to_bytes(), headers={"Nats-Msg-Id": envelope.id})
         return envelope
 
@@ -333,7 +335,8 @@ async def _start_sim(control: ControlPlane, alloc: str, job_id: str) -> None:
             kind="sim", steps=1_000_000, step_seconds=0.05, checkpoint_seconds=0.2
         ),
     )
-    await control.send(control.s.command("agent", T.START_WORKLOAD), T.START_WORKLOAD, start)
+    subject = control.s.command("agent", T.START_WORKLOAD)
+    await control.send(subject, T.START_WORKLOAD, start, source="admission")
 
 
 async def test_the_agent_says_it_is_ready_with_its_nodes_and_the_allocations_it_runs(

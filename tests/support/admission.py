@@ -162,8 +162,10 @@ class Client:
 
         return await eventually(check, within=20)
 
-    async def publish(self, subject: str, message_type: str, data: BaseModel) -> Envelope:
-        envelope = make_envelope(message_type, data, source="test")
+    async def publish(
+        self, subject: str, message_type: str, data: BaseModel, *, source: str = "test"
+    ) -> Envelope:
+        envelope = make_envelope(message_type, data, source=source)
         await self.js.publish(subject, envelope.to_bytes())
         return envelope
 

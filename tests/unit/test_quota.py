@@ -79,6 +79,8 @@ def test_a_team_may_use_classes_up_to_its_max_priority_only() -> None:
         ({"a": {"max_priority": "p9"}}, "is not one of"),
         ({"a": {"max_priority": "inference"}}, "training class"),
         ({"a": {"quota": 1}}, "unknown field"),
+        ({"a": {"allow_process": "yes"}}, r"teams\.a\.allow_process: expected true or false"),
+        ({"a": {"inference": 1}}, r"teams\.a\.inference: expected true or false"),
     ],
 )
 def test_a_malformed_quota_file_is_refused_with_the_entry_named(
@@ -86,6 +88,24 @@ def test_a_malformed_quota_file_is_refused_with_the_entry_named(
 ) -> None:
     with pytest.raises(QuotaError, match=message):
         parse_quotas({"teams": teams})
+
+
+def test_process_workloads_are_a_capability_an_operator_gives_a_team() -> None:
+    book = parse_quotas(
+        {
+            "teams": {
+                "vision": {"gpus": {"*": {"guaranteed": 1}}},
+                "research": {"allow_process": True, "gpus": {"*": {"guaranteed": 1}}},
+                "nlp": {"allow_process": False},
+            }
+        }
+    )
+
+    assert {name: team.allow_process for name, team in book.teams.items()} == {
+        "vision": False,  # the default
+        "research": True,
+        "nlp": False,
+    }
 
 
 def test_the_example_quota_file_parses() -> None:

@@ -9,6 +9,8 @@ ledger's live allocations. Vocabulary:
   reclaims borrowed allocations first.
 - max priority: the highest priority class the team may use; above it a submission is
   rejected or held for an operator's approval (``above_max``).
+- allow_process: whether the team may submit ``process`` workloads (a command the
+  cluster agent runs); off unless the operator turns it on.
 - dominant share (DRF): a team's largest share of any GPU model's capacity; among
   equally urgent jobs the team with the smallest dominant share goes first.
 """
@@ -70,6 +72,9 @@ class TeamPolicy:
     above_max: AboveMax = AboveMax.REJECT
     # Inference services are governed by quota too, but their class is fixed.
     may_serve_inference: bool = True
+    # A `process` workload runs the team's own command on the cluster: an operator's
+    # decision per team, never a default.
+    allow_process: bool = False
 
     def quota(self, model: str) -> ModelQuota:
         return self.quotas.get(model) or self.quotas.get(ANY_MODEL) or ModelQuota(0, 0)
@@ -153,8 +158,9 @@ def dominant_shares(
 
 
 def parse_quotas(data: Mapping[str, Any]) -> QuotaBook:
-    """Build the book from ``{teams: {name: {max_priority, above_max, gpus: {model:
-    {guaranteed, max}}}}}``; ``max`` defaults to ``guaranteed`` (no borrowing)."""
+    """Build the book from ``{teams: {name: {max_priority, above_max, inference,
+    allow_process, gpus: {model: {guaranteed, max}}}}}``; ``max`` defaults to
+    ``guaranteed`` (no borrowing), ``allow_process`` to false."""
     teams = data.get("teams")
     if not isinstance(teams, Mapping) or not teams:
         raise QuotaError("quotas need a non-empty 'teams' mapping")
@@ -163,7 +169,7 @@ def parse_quotas(data: Mapping[str, Any]) -> QuotaBook:
         where = f"teams.{name}"
         if not isinstance(entry, Mapping):
             raise QuotaError(f"{where}: expected a mapping")
-        unknown = sorted(set(entry) - {"max_priority", "above_max", "gpus", "inference"})
+        unknown = sorted(set(entry) - _TEAM_FIELDS)
         if unknown:
             raise QuotaError(f"{where}: unknown field(s) {', '.join(unknown)}")
         book[str(name)] = TeamPolicy(
@@ -171,9 +177,13 @@ def parse_quotas(data: Mapping[str, Any]) -> QuotaBook:
             quotas=_parse_gpus(entry.get("gpus", {}), where),
             max_priority=_parse_class(entry.get("max_priority", "p1-normal"), where),
             above_max=_parse_enum(AboveMax, entry.get("above_max", "reject"), where, "above_max"),
-            may_serve_inference=_parse_bool(entry.get("inference", True), where),
+            may_serve_inference=_parse_bool(entry.get("inference", True), where, "inference"),
+            allow_process=_parse_bool(entry.get("allow_process", False), where, "allow_process"),
         )
     return QuotaBook(book)
+
+
+_TEAM_FIELDS = frozenset({"max_priority", "above_max", "gpus", "inference", "allow_process"})
 
 
 def _parse_gpus(value: object, where: str) -> dict[str, ModelQuota]:
@@ -213,7 +223,7 @@ def _parse_enum(kind: type[E], value: object, where: str, field: str) -> E:
         raise QuotaError(f"{where}.{field}: {value!r} is not one of {allowed}") from None
 
 
-def _parse_bool(value: object, where: str) -> bool:
+def _parse_bool(value: object, where: str, field: str) -> bool:
     if not isinstance(value, bool):
-        raise QuotaError(f"{where}.inference: expected true or false, got {value!r}")
+        raise QuotaError(f"{where}.{field}: expected true or false, got {value!r}")
     return value

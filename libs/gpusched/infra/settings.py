@@ -55,6 +55,9 @@ class AdmissionSettings(Section):
     schedule_interval_s: float = Field(default=1.0, gt=0)
     # Teams, quotas and max priority classes (docs/admission-operator.md); None: no quotas.
     quotas_path: Path | None = None
+    # Without a quotas file no team may submit `process` workloads unless this is on
+    # (with one, its per-team allow_process decides).
+    allow_process_workloads_without_quotas: bool = False
     # A gang waiting this long holds the freeing GPUs of its best node (a reservation).
     reserve_after_s: float = Field(default=300.0, ge=0)
     # Waiting longer: offered fewer GPUs if it allows (min_count), else its reservation
@@ -119,9 +122,14 @@ class CheckpointSettings(Section):
     deadline_policy: dict[str, str] = Field(
         default_factory=lambda: {"p0-urgent": "abort", "p1-normal": "abort", "p2-offline": "force"}
     )
-    # Check file:// claims (exists, size, sha256) before evicting on them; turn off only
-    # where the service cannot see the jobs' storage (claims are then taken on trust).
+    # Check file:// claims (exists, size, sha256) before evicting on them. Off (the
+    # service cannot see the jobs' storage), it verifies nothing: only schemes named in
+    # trusted_schemes are then accepted, so it must name at least one.
     verify_uris: bool = True
+    # Per priority class: URI schemes taken on trust, unverified, e.g. {"p2-offline":
+    # ["s3"]}. A claim the service cannot verify whose scheme its job's class does not
+    # trust is refused (docs/checkpoint-operations.md). Default: none.
+    trusted_schemes: dict[str, list[str]] = Field(default_factory=dict)
     retention_per_job: int = Field(
         default=5, ge=1, description="confirmed checkpoints kept per job in the catalogue"
     )
@@ -137,6 +145,13 @@ class AgentSettings(Section):
     telemetry_interval_s: float = Field(default=1.0, gt=0)
     time_scale: float = Field(default=1.0, gt=0, description="virtual seconds per real second")
     workdir: Path = Path(".gpusched/agent")
+    # Under root, `process` workloads run as this user (name or uid), never as root
+    # unless allow_root_workloads; an agent that is not root runs them as itself.
+    run_as: str = "nobody"
+    allow_root_workloads: bool = False
+    # Variables of the agent's environment a process workload also gets (it has PATH,
+    # LANG, LC_*, TZ and its job's GPUSCHED_* ones), e.g. ["CUDA_HOME", "HF_HOME"].
+    workload_env: list[str] = Field(default_factory=list)
 
 
 class SecuritySettings(Section):

@@ -111,6 +111,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         read_quotas(settings.quotas_path),
         Overcommit(settings.overcommit_inference, settings.overcommit_training),
         timedelta(seconds=settings.mig_change_interval_s),
+        process_without_quotas=settings.allow_process_workloads_without_quotas,
     )
     credentials = JobCredentials.from_settings(rt.settings)
     scheduler = Scheduler(

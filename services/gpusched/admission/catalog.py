@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 
+from gpusched.contracts import errors
 from gpusched.contracts.messages import ApiError, SubmitJob
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import JobKind, PriorityClass
@@ -36,6 +37,8 @@ class ErrorCode(StrEnum):
     NOT_HELD = "not_held"
     # The job is in a state the request cannot apply to (e.g. cancel a completed job).
     CONFLICT = "conflict"
+    # A capability the team was not given (e.g. process workloads).
+    FORBIDDEN = errors.FORBIDDEN
 
 
 def refuse(code: ErrorCode, message: str) -> ApiError:
@@ -67,8 +70,11 @@ class Catalog:
         quotas: QuotaBook | None = None,
         overcommit: Overcommit | None = None,
         mig_change_interval: timedelta = timedelta(hours=1),
+        *,
+        process_without_quotas: bool = False,
     ) -> None:
         self.quotas = quotas
+        self.process_without_quotas = process_without_quotas
         self.overcommit = overcommit or Overcommit()
         self.mig_change_interval = mig_change_interval
         # (home pool, model) with MIG-enabled GPUs, and their memory.
@@ -130,6 +136,8 @@ class Catalog:
                 f"GPU model {gpus.model!r} is not in the inventory "
                 f"(known: {', '.join(sorted(self.models))})",
             )
+        if (refusal := self._capability_refusal(job)) is not None:
+            return refusal
         groups = self._fitting(kind, job)
         if (refusal := self._quota_refusal(job, priority, groups)) is not None:
             return refusal
@@ -144,6 +152,29 @@ class Catalog:
                 ErrorCode.UNSATISFIABLE, f"asks {gpus.count} GPUs ({wanted}), but {reason}"
             )
         return None
+
+    def _capability_refusal(self, job: SubmitJob) -> ApiError | None:
+        """A `process` workload is a command the cluster agent runs for the team: only
+        for teams an operator allowed (allow_process in the quotas file)."""
+        if job.workload.kind != "process":
+            return None
+        if self.quotas is None:
+            if self.process_without_quotas:
+                return None
+            return refuse(
+                ErrorCode.FORBIDDEN,
+                f"team {job.team} may not submit process workloads: they are off without "
+                f"a quotas file; ask an operator to set allow_process for team {job.team} in "
+                "the quotas file (or allow_process_workloads_without_quotas)",
+            )
+        team = self.quotas.team(job.team)
+        if team is None or team.allow_process:
+            return None  # an unknown team is refused next, naming the known ones
+        return refuse(
+            ErrorCode.FORBIDDEN,
+            f"team {job.team} may not submit process workloads; ask an operator to set "
+            f"allow_process for team {job.team} in the quotas file",
+        )
 
     def _quota_refusal(
         self, job: SubmitJob, priority: PriorityClass, groups: list[_Group]

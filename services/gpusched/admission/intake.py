@@ -172,7 +172,14 @@ def _refused(uow: UnitOfWork, s: Submission, refusal: ApiError) -> Outgoing:
         "job.rejected",
         entity=s.job.team,
         reason=f"{refusal.code}: {refusal.message}",
-        details={"name": s.job.name, "gpus": s.job.gpus.model_dump(mode="json")},
+        details={
+            "name": s.job.name,
+            "code": refusal.code,
+            "kind": s.job.kind.value,
+            "priority_class": s.job.priority_class.value,
+            "workload": s.job.workload.kind,
+            "gpus": s.job.gpus.model_dump(mode="json"),
+        },
         trace_headers=s.trace,
     )
 

@@ -3,6 +3,11 @@
 Every handler is idempotent by itself (there is no inbox at the edge): a start for an
 allocation already known is not started twice, an evict for a workload already gone
 answers with how it ended, and events carry deterministic ids (publisher.event_id).
+
+The agent runs only what admission sent (DESIGN §5a): a command whose envelope does not
+come from that command's producer is rejected (dead-lettered and audited) before it
+does anything. NATS permissions decide who may publish on the command subjects; this
+check is the agent's own, in depth.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Final
 
 from nats.aio.client import Client as NatsClient
 
+from gpusched.agent.identity import prepare_workdir, workload_user
 from gpusched.agent.publisher import Publisher, event_id
 from gpusched.agent.workloads import (
     ProcessWorkload,
@@ -53,6 +60,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.domain.inventory import GpuRef
+from gpusched.infra.errors import Rejected
 from gpusched.infra.settings import AgentSettings
 from gpusched.simcluster.cluster import ClusterView, gpu_samples
 from gpusched.simcluster.demand import InferenceDemand
@@ -66,6 +74,15 @@ _REMEMBERED_STOPS = 10_000
 _SHUTDOWN_PUBLISH_S = 2.0
 # Telemetry older than this is not worth sending after an outage: newer samples follow.
 TELEMETRY_STALE_S = 30.0
+# The services that send each command (the envelope's `source`): admission places
+# workloads and lays out MIG; the checkpoint service evicts for its sagas, admission for
+# a cancel or a replica scale-down. The simulated cluster's own inputs (sim.demand,
+# sim.node_health, from the demo and `gpusched node`) are not commands to a real cluster.
+COMMAND_SOURCES: Final[dict[str, frozenset[str]]] = {
+    T.START_WORKLOAD: frozenset({"admission"}),
+    T.EVICT_WORKLOAD: frozenset({"checkpoint", "admission"}),
+    T.MIG_CONFIGURE: frozenset({"admission"}),
+}
 
 
 class Phase(StrEnum):
@@ -108,6 +125,9 @@ class ClusterAgent:
         self._s = subjects
         self._settings = settings
         self._workdir = Path(settings.workdir).resolve()
+        # Resolved once, at start: a run_as that names no user, or root, stops the agent.
+        self._user = workload_user(settings)
+        prepare_workdir(self._workdir, self._user)
         self._nats_url = nats_url
         self._nc = connection
         self._evict_grace_s = evict_grace_s
@@ -134,6 +154,7 @@ class ClusterAgent:
 
     # --- commands ---------------------------------------------------------------------
     async def on_start(self, envelope: Envelope) -> None:
+        _require_producer(envelope)
         start = envelope.payload(StartWorkload)
         alloc = start.allocation_id
         if self._closing:
@@ -188,6 +209,7 @@ class ClusterAgent:
             renew(renewal.credentials)
 
     async def on_evict(self, envelope: Envelope) -> None:
+        _require_producer(envelope)
         evict = envelope.payload(EvictWorkload)
         alloc = evict.allocation_id
         entry = self._running.get(alloc)
@@ -224,6 +246,7 @@ class ClusterAgent:
         """Apply a MIG layout change and report it (or why it could not be applied).
         Simulated: the layout is recorded (a real agent runs the MIG reconfiguration on
         the empty GPU admission chose)."""
+        _require_producer(envelope)
         command = envelope.payload(MigConfigure)
         ref = GpuRef(command.node, command.gpu)
         error = self._mig_refusal(ref)
@@ -467,7 +490,12 @@ class ClusterAgent:
     def _make_workload(self, start: StartWorkload) -> Workload:
         if start.workload.kind == "process":
             return ProcessWorkload(
-                start, nats_url=self._nats_url, prefix=self._s.prefix, workdir=self._workdir
+                start,
+                nats_url=self._nats_url,
+                prefix=self._s.prefix,
+                workdir=self._workdir,
+                user=self._user,
+                pass_env=self._settings.workload_env,
             )
         return SimWorkload(
             start,
@@ -554,6 +582,23 @@ class ClusterAgent:
             correlation_id=evict.saga_id,
             causation_id=causation_id,
             envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id),
+        )
+
+
+def _require_producer(envelope: Envelope) -> None:
+    """Reject a command that its producer did not send: nothing of it is applied."""
+    allowed = COMMAND_SOURCES[envelope.type]
+    if envelope.source not in allowed:
+        log.warning(
+            "refused %s %s from %r: only %s send it",
+            envelope.type,
+            envelope.id,
+            envelope.source,
+            " or ".join(sorted(allowed)),
+        )
+        raise Rejected(
+            f"{envelope.type} from {envelope.source!r} refused: only "
+            f"{' or '.join(sorted(allowed))} may send it to the cluster agent"
         )
 
 

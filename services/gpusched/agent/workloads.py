@@ -1,7 +1,9 @@
 """The workloads the simulated cluster runs: a virtual training loop or a real process.
 
 Both behave like a job on a real cluster: they speak to the control plane only through
-the SDK (over NATS), never through the agent.
+the SDK (over NATS), never through the agent. A process runs as the workload user
+(gpusched.agent.identity), in its job directory, with an environment of its own: the
+job's variables and the few the agent passes on, never the agent's settings or secrets.
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Final, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client as NatsClient
 
+from gpusched.agent.identity import WorkloadUser, prepare_job_dir
 from gpusched.contracts.messages import GpuShare, StartWorkload, StopReason
 from gpusched.infra.supervisor import spawn_bound_child, terminate
 from gpusched.sdk import (
@@ -46,6 +51,12 @@ _POLL_S = 0.1
 _RESULT_FLUSH_S = 300.0
 # Interpreter names in argv that mean "the Python this agent runs on", which has the SDK.
 _PYTHON_NAMES = frozenset({"python", "python3"})
+# What a process inherits from the agent's environment: where programs are and the
+# locale. Everything else (GPUSCHED_* settings, NATS credentials, the database URL,
+# cloud keys) stays with the agent; agent.workload_env names more to pass on.
+_INHERITED: Final = frozenset({"PATH", "LANG", "LANGUAGE", "TZ"})
+_INHERITED_PREFIXES: Final = ("LC_",)
+_DEFAULT_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 
 
 class WorkloadLaunchError(Exception):
@@ -78,17 +89,54 @@ def job_dir(workdir: Path, job_id: str) -> Path:
 CREDENTIALS_FILE = "nats.creds"
 
 
-def write_credentials(directory: Path, creds: str) -> Path:
+def write_credentials(directory: Path, creds: str, user: WorkloadUser | None) -> Path:
     """The job's credentials file, replaced whole (nats-py reads it at every
-    reconnect, so a renewal takes effect the next time the job connects)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    reconnect, so a renewal takes effect the next time the job connects); readable by
+    the workload's user only."""
     path = directory / CREDENTIALS_FILE
     tmp = directory / f".{CREDENTIALS_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp.unlink(missing_ok=True)  # the directory is the workload's: never write through a link
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(creds)
+    if user is not None:
+        os.chown(tmp, user.uid, user.gid)
     os.replace(tmp, path)
     return path
+
+
+def without_credentials(nats_url: str) -> str:
+    """The agent's NATS URL(s) without the user and password they may carry: those are
+    the agent's identity, not the job's."""
+    urls = []
+    for url in nats_url.split(","):
+        parts = urlsplit(url.strip())
+        urls.append(urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])))
+    return ",".join(urls)
+
+
+def workload_environment(
+    agent_env: Mapping[str, str],
+    job_env: Mapping[str, str],
+    *,
+    home: Path,
+    user: WorkloadUser | None,
+    pass_on: Sequence[str] = (),
+) -> dict[str, str]:
+    """A process workload's whole environment: the job's own variables over the few
+    the agent passes on (locale, PATH, and the names in `pass_on`)."""
+    env = {
+        name: value
+        for name, value in agent_env.items()
+        if (name in _INHERITED or name.startswith(_INHERITED_PREFIXES) or name in pass_on)
+        and not name.startswith("GPUSCHED_")
+    }
+    env.setdefault("PATH", _DEFAULT_PATH)
+    env["HOME"] = str(home)
+    if user is not None:
+        env["USER"] = env["LOGNAME"] = user.name
+    env.update(job_env)
+    return env
 
 
 def mps_environment(share: GpuShare | None) -> dict[str, str]:
@@ -266,12 +314,16 @@ class ProcessWorkload:
         prefix: str,
         workdir: Path,
         base_env: Mapping[str, str] | None = None,
+        user: WorkloadUser | None = None,
+        pass_env: Sequence[str] = (),
     ) -> None:
         self._start = start
         self._dir = job_dir(workdir, start.job_id)
+        self._user = user
+        self._pass_env = tuple(pass_env)
         resume = start.resume_from
         self._env = JobEnvironment(
-            nats_url=nats_url,
+            nats_url=without_credentials(nats_url),
             job_id=start.job_id,
             attempt=start.attempt,
             prefix=prefix,
@@ -296,32 +348,39 @@ class ProcessWorkload:
         return argv
 
     def _child_env(self) -> dict[str, str]:
-        # The agent's own GPUSCHED_* settings (database URL included) stay with the agent.
-        env = {k: v for k, v in self._base_env.items() if not k.startswith("GPUSCHED_")}
-        env.update(self._env.to_environ())
-        env.update(mps_environment(self._start.share))
-        return env
+        job_env = {**self._env.to_environ(), **mps_environment(self._start.share)}
+        return workload_environment(
+            self._base_env, job_env, home=self._dir, user=self._user, pass_on=self._pass_env
+        )
 
     def renew_credentials(self, creds: str) -> None:
-        write_credentials(self._dir, creds)
+        write_credentials(self._dir, creds, self._user)
 
     async def launch(self) -> None:
         argv = self._argv()
-        self._dir.mkdir(parents=True, exist_ok=True)
-        if self._start.credentials:
-            write_credentials(self._dir, self._start.credentials)
-        log_path = self._dir / f"attempt-{self._start.attempt}.log"
         try:
-            with log_path.open("ab") as out:
+            prepare_job_dir(self._dir, self._user)
+            if self._start.credentials:
+                write_credentials(self._dir, self._start.credentials, self._user)
+            out = _open_log(self._dir / f"attempt-{self._start.attempt}.log")
+        except OSError as exc:
+            raise WorkloadLaunchError(f"cannot prepare {self._dir}: {exc}") from exc
+        user = self._user
+        try:
+            with out:
                 self._process = await asyncio.to_thread(
                     spawn_bound_child,
                     argv,
                     env=self._child_env(),
+                    cwd=self._dir,
                     stdout=out,
                     stderr=subprocess.STDOUT,
+                    user=None if user is None else user.uid,
+                    group=None if user is None else user.gid,
                 )
         except OSError as exc:
-            raise WorkloadLaunchError(f"cannot run {argv[0]!r}: {exc}") from exc
+            who = "" if user is None else f" as {user.name}"
+            raise WorkloadLaunchError(f"cannot run {argv[0]!r}{who}: {exc}") from exc
 
     async def wait(self) -> WorkloadExit:
         process = self._process
@@ -344,3 +403,19 @@ class ProcessWorkload:
         # whole process group) after the grace leaves nothing behind.
         await asyncio.to_thread(terminate, process, signal.SIGTERM, grace_s)
         return process.returncode
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    """The attempt's log, for appending. The job directory belongs to the workload's
+    user, so what is at `path` may have been put there by an earlier attempt: a link
+    is not followed and anything but a plain file (a FIFO would block) is refused."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a plain file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise

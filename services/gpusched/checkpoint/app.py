@@ -9,9 +9,9 @@ from gpusched.checkpoint.api import (
     latest_checkpoint_subject,
 )
 from gpusched.checkpoint.handlers import SagaHandlers
-from gpusched.checkpoint.policy import EvictionPolicies
+from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.queries import Queries
-from gpusched.checkpoint.storage import FileStorage, TrustingStorage
+from gpusched.checkpoint.storage import FileStorage, NoStorage
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import access, bus
@@ -52,7 +52,8 @@ async def build(rt: ServiceRuntime) -> None:
     settings = rt.settings.checkpoint
     handlers = SagaHandlers(
         EvictionPolicies.from_settings(settings),
-        storage=FileStorage() if settings.verify_uris else TrustingStorage(),
+        storage=FileStorage() if settings.verify_uris else NoStorage(),
+        trust=TrustPolicy.from_settings(settings),
         retention_per_job=settings.retention_per_job,
     )
     s = rt.subjects
@@ -79,6 +80,17 @@ async def build(rt: ServiceRuntime) -> None:
                 T.JOB_COMPLETED: handlers.on_job_completed,
                 T.JOB_FAILED: handlers.on_job_failed,
             },
+            key=by_job,
+        )
+    )
+    rt.consume(
+        bus.Consumer(
+            # Only the grants: they say each job's priority class, which decides the URI
+            # schemes its claims may use unverified.
+            durable="checkpoint-admission-events",
+            stream=s.stream("EVENTS"),
+            subjects=[s.event("admission", T.ALLOCATION_GRANTED)],
+            handlers={T.ALLOCATION_GRANTED: handlers.on_allocation_granted},
             key=by_job,
         )
     )

@@ -9,6 +9,10 @@ it is normal life on an at-least-once bus, not a dead letter.
 Job events name their job by the envelope's correlation id (the SDK sets it to the job
 id); job.completed/failed may instead carry it only in their payload. The subject's
 job token is not used: handlers see envelopes, not subjects.
+
+A claim counts only if storage confirms it, or if its URI's scheme is one the service
+cannot read and the deployment trusts for the job's priority class (TrustPolicy). The
+class comes from admission's grants and the eviction requests, never from the claim.
 """
 
 from __future__ import annotations
@@ -22,9 +26,16 @@ from typing import Any, Final
 
 from gpusched.checkpoint import store
 from gpusched.checkpoint.api import checkpoint_info
-from gpusched.checkpoint.policy import EvictionPolicies
+from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.storage import CheckpointStorage, FileStorage
-from gpusched.checkpoint.verification import ClaimCheck, Verdict, judge
+from gpusched.checkpoint.verification import (
+    ClaimCheck,
+    MalformedUri,
+    Verdict,
+    judge,
+    judge_unverifiable,
+    uri_scheme,
+)
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.errors import MalformedMessage
@@ -115,11 +126,13 @@ class SagaHandlers:
         clock: Callable[[], datetime] = utcnow,
         *,
         storage: CheckpointStorage | None = None,
+        trust: TrustPolicy | None = None,
         retention_per_job: int = 5,
     ) -> None:
         self._policies = policies
         self._now = clock
         self._storage: CheckpointStorage = FileStorage() if storage is None else storage
+        self._trust = TrustPolicy({}) if trust is None else trust
         self._retention = retention_per_job
 
     # --- commands from preemption ---------------------------------------------------------
@@ -133,6 +146,7 @@ class SagaHandlers:
             why = "the request has a saga already"
             await _ignored(uow, known, "EvictionRequested", why, envelope.id)
             return
+        await store.remember_class(uow, request.job_id, request.priority_class.value, now)
         policy = self._policies.for_class(request.priority_class.value)
         latest = await store.latest_checkpoint(uow, request.job_id)
         try:
@@ -205,6 +219,13 @@ class SagaHandlers:
             return
         await self._apply(uow, saga, NeedWithdrawn(withdrawn.request_id), envelope.id)
 
+    # --- admission's grants: each job's priority class ---------------------------------
+
+    async def on_allocation_granted(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        granted = envelope.payload(wire.AllocationGranted)
+        job_id = _require_token(granted.job_id, "job id")
+        await store.remember_class(uow, job_id, granted.priority_class.value, self._now())
+
     # --- job events -----------------------------------------------------------------------
 
     async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
@@ -219,20 +240,43 @@ class SagaHandlers:
             stage=Stage(confirmed.stage.value),
         )
         # Read storage before locking any saga row: hashing can take a while.
-        verdict = judge(ref, await self._storage.inspect(ref.uri, ref.bytes))
+        verdict, facts = await self._check(uow, job_id, ref)
         now = self._now()
         sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
         if not verdict.counts:
             # Not catalogued (a resume must not load it) and not applied: the saga keeps
             # waiting, and its deadline decides if no true confirmation follows.
-            await _unverified(uow, job_id, confirmed.request_id, ref, verdict, sagas, envelope.id)
+            await _unverified(
+                uow, job_id, confirmed.request_id, ref, verdict, facts, sagas, envelope.id
+            )
             return
         if await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now):
-            await _announce(uow, job_id, confirmed.request_id, ref, verdict, now, envelope.id)
+            await _announce(
+                uow, job_id, confirmed.request_id, ref, verdict, facts, now, envelope.id
+            )
             await self._retire_old_checkpoints(uow, job_id, envelope.id)
         event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
         for saga in sagas:
             await self._apply(uow, saga, event, envelope.id, now)
+
+    async def _check(
+        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef
+    ) -> tuple[Verdict, dict[str, str | None]]:
+        """The verdict on a claim, and what it rests on for the audit record: the URI's
+        scheme and (unless storage checked it) the job's priority class."""
+        try:
+            scheme = uri_scheme(claim.uri)
+        except MalformedUri as exc:
+            priority_class = await store.class_of(uow, job_id)
+            verdict = Verdict(ClaimCheck.MALFORMED, str(exc))
+            return verdict, {"scheme": None, "priority_class": priority_class}
+        facts = await self._storage.inspect(claim.uri, claim.bytes)
+        if facts is not None:
+            return judge(claim, facts), {"scheme": scheme}
+        priority_class = await store.class_of(uow, job_id)
+        trusted = self._trust.trusts(priority_class, scheme)
+        verdict = judge_unverifiable(job_id, scheme, priority_class, trusted)
+        return verdict, {"scheme": scheme, "priority_class": priority_class}
 
     async def _retire_old_checkpoints(
         self, uow: UnitOfWork, job_id: str, causation_id: str
@@ -454,6 +498,7 @@ async def _announce(
     request_id: str | None,
     checkpoint: CheckpointRef,
     verdict: Verdict,
+    facts: Mapping[str, str | None],
     confirmed_at: datetime,
     causation_id: str,
 ) -> None:
@@ -473,18 +518,22 @@ async def _announce(
         correlation_id=job_id,
         causation_id=causation_id,
     )
-    if verdict.check is ClaimCheck.UNVERIFIABLE:
-        # Storage this service cannot read (or verification switched off): the claim is
-        # taken on trust, and the audit stream says so.
+    if verdict.check is ClaimCheck.TRUSTED:
+        # Storage this service cannot read, of a scheme the deployment trusts for the
+        # job's class: catalogued unverified, and the audit stream says so.
         await uow.audit(
             AuditAction.CHECKPOINT_TRUSTED,
             entity=job_id,
-            reason=f"checkpoint {checkpoint.checkpoint_id} taken on trust: {verdict.why}",
+            reason=(
+                f"checkpoint {checkpoint.checkpoint_id} of job {job_id} trusted without "
+                f"verification: {verdict.why}"
+            ),
             details={
                 "job_id": job_id,
                 "request_id": request_id,
                 "checkpoint": checkpoint.to_dict(),
                 "verification": verdict.check.value,
+                **facts,
             },
             causation_id=causation_id,
         )
@@ -507,6 +556,7 @@ async def _unverified(
     request_id: str | None,
     claim: CheckpointRef,
     verdict: Verdict,
+    facts: Mapping[str, str | None],
     sagas: list[Saga],
     causation_id: str,
 ) -> None:
@@ -518,13 +568,14 @@ async def _unverified(
         "request_id": request_id,
         "claim": claim.to_dict(),
         "verification": verdict.check.value,
+        **facts,
     }
     targets: list[tuple[str, Saga | None]] = [(s.saga_id, s) for s in concerned]
     for entity, saga in targets or [(job_id, None)]:
         await uow.audit(
             AuditAction.CHECKPOINT_UNVERIFIED,
             entity=entity,
-            reason=f"checkpoint {claim.checkpoint_id} not confirmed: {verdict.why}",
+            reason=f"checkpoint {claim.checkpoint_id} of job {job_id} refused: {verdict.why}",
             details={**details, **({} if saga is None else _describe(saga))},
             causation_id=causation_id,
         )

@@ -1,7 +1,8 @@
-"""Per priority class: which checkpoint stage an eviction waits for, and what its deadline does.
+"""Per priority class: which checkpoint stage an eviction waits for, what its deadline
+does, and which URI schemes a checkpoint claim may use unverified.
 
-Read once from Settings().checkpoint at start, so a misspelt stage or policy stops the
-service at once instead of failing the first eviction of that class.
+Read once from Settings().checkpoint at start, so a misspelt stage, policy, class or
+scheme stops the service at once instead of failing the first eviction of that class.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpusched.checkpoint.verification import valid_scheme
+from gpusched.contracts.messages import PriorityClassName
 from gpusched.domain.saga import DeadlinePolicy, Stage
 from gpusched.infra.settings import CheckpointSettings
 
@@ -44,3 +47,42 @@ class EvictionPolicies:
 
     def for_class(self, priority_class: str) -> ClassPolicy:
         return self.by_class.get(priority_class, SAFEST)
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """The URI schemes taken on trust, without verification, per priority class. Empty
+    by default: only what the service can verify counts (file://, unless verify_uris is
+    off)."""
+
+    by_class: Mapping[str, frozenset[str]]
+
+    @classmethod
+    def from_settings(cls, settings: CheckpointSettings) -> TrustPolicy:
+        classes = {c.value for c in PriorityClassName}
+        by_class: dict[str, frozenset[str]] = {}
+        for name, schemes in settings.trusted_schemes.items():
+            where = f"checkpoint.trusted_schemes[{name!r}]"
+            if name not in classes:
+                raise ValueError(f"{where}: not a priority class ({', '.join(sorted(classes))})")
+            wrong = [s for s in schemes if not valid_scheme(s.lower())]
+            if wrong:
+                raise ValueError(
+                    f"{where}: {', '.join(map(repr, wrong))} is not a URI scheme (write s3, "
+                    "not s3:// or s3://bucket)"
+                )
+            by_class[name] = frozenset(s.lower() for s in schemes)
+        if not settings.verify_uris and not any(by_class.values()):
+            # Before, verify_uris=false took every claim on trust; now trust is named.
+            raise ValueError(
+                "checkpoint.verify_uris=false verifies no checkpoint claim and "
+                "checkpoint.trusted_schemes trusts none, so every claim would be refused: "
+                "name the schemes to take on trust per priority class, e.g. "
+                'GPUSCHED_CHECKPOINT__TRUSTED_SCHEMES=\'{"p2-offline": ["file"]}\''
+            )
+        return cls(by_class)
+
+    def trusts(self, priority_class: str | None, scheme: str) -> bool:
+        """Whether a claim of a job of `priority_class` (None: not known) with a URI of
+        `scheme` is taken on trust when it cannot be verified."""
+        return priority_class is not None and scheme in self.by_class.get(priority_class, ())

@@ -1,8 +1,9 @@
 """The storage adapter: reads what a checkpoint URI actually holds.
 
 Only file:// is readable here (a local or shared filesystem the service sees); other
-schemes report None and are judged unverifiable. Filesystem errors become facts
-(`exists=False` with the error), never exceptions out of the adapter.
+schemes report None: unverifiable, so refused unless trusted for the job's class
+(checkpoint.trusted_schemes). Filesystem errors become facts (`exists=False` with the
+error), never exceptions out of the adapter.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from pathlib import Path
 from typing import Final, Protocol
 from urllib.parse import unquote, urlparse
 
-from gpusched.checkpoint.verification import ObjectFacts
+from gpusched.checkpoint.verification import FILE_SCHEME, ObjectFacts
 
 _CHUNK: Final = 1 << 20
-FILE_SCHEME: Final = "file"
 
 
 class CheckpointStorage(Protocol):
@@ -33,9 +33,10 @@ class FileStorage:
         return await asyncio.to_thread(_inspect_file, Path(unquote(parsed.path)), expected_bytes)
 
 
-class TrustingStorage:
+class NoStorage:
     """For a deployment where the service cannot see the jobs' storage (setting
-    checkpoint.verify_uris = false): every claim is unverifiable, taken on trust."""
+    checkpoint.verify_uris = false): every claim is unverifiable, so only a scheme
+    trusted for the job's class is accepted."""
 
     async def inspect(self, uri: str, expected_bytes: int) -> ObjectFacts | None:
         return None

@@ -266,3 +266,24 @@ async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[di
         {"checkpoint_id": r.checkpoint_id, "stage": r.stage, "step": r.step, "uri": r.uri}
         for r in result
     ]
+
+
+# --- the jobs' priority classes ----------------------------------------------------------
+
+
+async def remember_class(uow: UnitOfWork, job_id: str, priority_class: str, at: datetime) -> None:
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.job_classes (job_id, priority_class, updated_at) "
+        "VALUES (:j, :c, :at) ON CONFLICT (job_id) DO UPDATE "
+        "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at",
+        {"j": job_id, "c": priority_class, "at": at},
+    )
+
+
+async def class_of(uow: UnitOfWork, job_id: str) -> str | None:
+    """The job's priority class, or None if no grant or eviction of it was seen."""
+    result = await uow.execute(
+        f"SELECT priority_class FROM {uow.schema}.job_classes WHERE job_id = :j", {"j": job_id}
+    )
+    row = result.first()
+    return None if row is None else str(row.priority_class)

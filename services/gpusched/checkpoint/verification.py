@@ -2,20 +2,32 @@
 
 The storage adapter (gpusched.checkpoint.storage) does the reading; this module only
 compares. A claim that storage contradicts is no confirmation at all: evicting on it
-would throw away the only copy of the job's work.
+would throw away the only copy of the job's work. A claim this service cannot check
+(a scheme it cannot read) counts only where the deployment said to take that scheme on
+trust for the job's priority class (checkpoint.trusted_schemes): anyone who can publish
+on a job's events subject can claim any URI, and a resume loads what the URI names.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
+from urllib.parse import urlsplit
 
 from gpusched.domain.saga import CheckpointRef
+
+FILE_SCHEME: Final = "file"
+# RFC 3986: ALPHA *( ALPHA / DIGIT / "+" / "-" / "." ), compared in lower case.
+_SCHEME: Final = re.compile(r"[a-z][a-z0-9+.-]*")
 
 
 class ClaimCheck(StrEnum):
     VERIFIED = "verified"  # storage holds exactly what the job described
-    UNVERIFIABLE = "unverifiable"  # a scheme this service cannot read: taken on trust
+    TRUSTED = "trusted"  # not verifiable here, but its scheme is trusted for the job's class
+    UNTRUSTED = "untrusted"  # not verifiable here, and its scheme is not trusted: refused
+    MALFORMED = "malformed"  # not a URI, no scheme, or a file URI that is no local path
     FALSE = "false"  # storage contradicts the claim
 
 
@@ -37,14 +49,39 @@ class Verdict:
 
     @property
     def counts(self) -> bool:
-        """True if the claim may confirm a checkpoint."""
-        return self.check is not ClaimCheck.FALSE
+        """True if the claim may confirm (and be catalogued as) a checkpoint."""
+        return self.check in (ClaimCheck.VERIFIED, ClaimCheck.TRUSTED)
 
 
-def judge(claim: CheckpointRef, facts: ObjectFacts | None) -> Verdict:
-    """`facts` is None when storage cannot be inspected for this URI's scheme."""
-    if facts is None:
-        return Verdict(ClaimCheck.UNVERIFIABLE, f"{claim.uri}: storage not readable from here")
+class MalformedUri(ValueError):
+    """A claim's URI that names no scheme, is not a URI, or no local file."""
+
+
+def valid_scheme(scheme: str) -> bool:
+    return _SCHEME.fullmatch(scheme) is not None
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of a claim's URI, in lower case; MalformedUri says why there is none.
+
+    A file URI must name an absolute path on this host (`file:///...`): a relative one
+    would be read from wherever each reader runs, and a host name would be ignored."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:
+        raise MalformedUri(f"{uri!r} is not a URI ({exc})") from None
+    scheme = parts.scheme.lower()
+    if not scheme or not valid_scheme(scheme) or not uri.lower().startswith(f"{scheme}:"):
+        raise MalformedUri(f"{uri!r} names no URI scheme (as in file:///... or s3://...)")
+    if scheme == FILE_SCHEME and (
+        parts.netloc not in ("", "localhost") or not parts.path.startswith("/")
+    ):
+        raise MalformedUri(f"{uri!r} is no absolute local path (file:///path/to/checkpoint)")
+    return scheme
+
+
+def judge(claim: CheckpointRef, facts: ObjectFacts) -> Verdict:
+    """A claim against what storage holds at its URI."""
     if not facts.exists:
         detail = f" ({facts.error})" if facts.error else ""
         return Verdict(ClaimCheck.FALSE, f"{claim.uri} does not exist{detail}")
@@ -59,3 +96,28 @@ def judge(claim: CheckpointRef, facts: ObjectFacts | None) -> Verdict:
             f"{claim.uri} has sha256 {facts.sha256}, the job claimed {claim.sha256}",
         )
     return Verdict(ClaimCheck.VERIFIED, f"{claim.uri}: {claim.bytes} bytes, sha256 matches")
+
+
+def judge_unverifiable(
+    job_id: str, scheme: str, priority_class: str | None, trusted: bool
+) -> Verdict:
+    """A claim storage here cannot check: counts only if `trusted` (its scheme is trusted
+    for the job's class). `priority_class` is None while the job's class is unknown."""
+    unread = f"{scheme}:// cannot be verified by the checkpoint service"
+    if trusted:
+        return Verdict(
+            ClaimCheck.TRUSTED,
+            f"{unread}; trusted without verification for class {priority_class} "
+            "(checkpoint.trusted_schemes)",
+        )
+    if priority_class is None:
+        return Verdict(
+            ClaimCheck.UNTRUSTED,
+            f"{unread}, and the priority class of job {job_id} is not known to it (no "
+            "allocation or eviction of the job seen yet), so no trust applies",
+        )
+    return Verdict(
+        ClaimCheck.UNTRUSTED,
+        f"{unread} and is not trusted for class {priority_class}; an operator may trust it "
+        f'with checkpoint.trusted_schemes (e.g. {{"{priority_class}": ["{scheme}"]}})',
+    )
