@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections import deque
@@ -36,6 +37,7 @@ from gpusched.infra import metrics, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
+from gpusched.infra.tls import server_name
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,10 @@ UNAVAILABLE_MESSAGE = (
 )
 
 
-async def connect(url: str, name: str) -> NatsClient:
+async def connect(url: str, name: str, *, tls: ssl.SSLContext | None = None) -> NatsClient:
     """A NATS connection that reconnects forever (nats-py does it by itself) and says
-    so in one log line when it drops and one when it is back.
+    so in one log line when it drops and one when it is back. `tls` (infra.tls) is the
+    context of a server that requires TLS (or a tls:// URL).
 
     While it is away, publishes queue in a bounded buffer (`pending_size`) and are sent
     on reconnect; a full buffer raises OutboundBufferLimitError, an outage."""
@@ -95,6 +98,8 @@ async def connect(url: str, name: str) -> NatsClient:
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
+        tls=tls,
+        tls_hostname=server_name(tls),
     )
     return nc
 
