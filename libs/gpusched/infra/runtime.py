@@ -71,8 +71,8 @@ class ServiceRuntime:
         nats_url, db_url = self.settings.require_urls()
         self.subjects = Subjects(self.settings.subject_prefix)
         tracing.setup(self.name, self.settings.trace_file)
-        nats_tls = tls.client_context(self.settings.nats_tls, tls.NATS_TLS)
-        self._database_tls = tls.client_context(self.settings.database_tls, tls.DATABASE_TLS)
+        nats_tls = tls.nats_context(self.settings)
+        self._database_tls = tls.database_context(self.settings)
         self.nc = await bus.connect(nats_url, f"gpusched-{self.name}", tls=nats_tls)
         self.js = self.nc.jetstream(publish_async_max_pending=self.settings.outbox.max_pending_acks)
         await bus.ensure_streams(

@@ -20,9 +20,12 @@ import logging
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # settings imports this module
+    from gpusched.infra.settings import Settings
 
 __all__ = [
     "DATABASE_TLS",
@@ -32,6 +35,8 @@ __all__ = [
     "TlsSettings",
     "check_files",
     "client_context",
+    "database_context",
+    "nats_context",
     "server_name",
 ]
 
@@ -114,6 +119,16 @@ def client_context(settings: TlsSettings | None, setting: str) -> ssl.SSLContext
             keyfile=settings.key_file,
         )
     return context
+
+
+def nats_context(settings: Settings) -> ssl.SSLContext | None:
+    """The context of the connections to NATS (GPUSCHED_NATS_TLS__*); None: no TLS."""
+    return client_context(settings.nats_tls, NATS_TLS)
+
+
+def database_context(settings: Settings) -> ssl.SSLContext | None:
+    """The context of the connections to PostgreSQL (GPUSCHED_DATABASE_TLS__*)."""
+    return client_context(settings.database_tls, DATABASE_TLS)
 
 
 def server_name(context: ssl.SSLContext | None) -> str | None:
