@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import ssl
 from types import TracebackType
 from typing import Any, Self
 
@@ -22,6 +23,7 @@ from gpusched.contracts.messages import GetJob, GetReply, SubmitJob, SubmitReply
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import tracing
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context, server_name
 
 CONNECT_TIMEOUT_S = 2.0
 # The exit codes of the CLI: 2 for what the caller must fix (no URL known), 3 when the
@@ -119,9 +121,15 @@ POSTGRES_HINT = "Is the stack up? Start it with `gpusched up`, or set GPUSCHED_D
 
 
 async def connect_nats(
-    url: str, name: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = NATS_HINT
+    url: str,
+    name: str,
+    *,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+    hint: str = NATS_HINT,
+    tls: ssl.SSLContext | None = None,
 ) -> NatsClient:
-    """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails.
+    """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails
+    (a certificate refused either way included). `tls`: see infra.tls.
 
     The connection does reconnect later if it drops (a short outage of the server), but
     the first connect is never retried: a wrong URL must fail now, not in minutes.
@@ -143,6 +151,8 @@ async def connect_nats(
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0,
                 error_cb=note,
+                tls=tls,
+                tls_hostname=server_name(tls),
             ),
             timeout=timeout_s + 1.0,
         )
@@ -164,15 +174,22 @@ async def _quietly_close(nc: NatsClient) -> None:
 
 
 async def check_postgres(
-    url: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = POSTGRES_HINT
+    url: str,
+    *,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+    hint: str = POSTGRES_HINT,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
-    """One bounded connect and `SELECT 1`; Unreachable (one line) if that fails."""
+    """One bounded connect and `SELECT 1`; Unreachable (one line) if that fails.
+    `tls`: see infra.tls."""
     import asyncpg
 
     dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
     shown = _without_password(dsn)
     try:
-        connection = await asyncio.wait_for(asyncpg.connect(dsn, timeout=timeout_s), timeout_s + 1)
+        connection = await asyncio.wait_for(
+            asyncpg.connect(dsn, timeout=timeout_s, ssl=tls), timeout_s + 1
+        )
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise Unreachable("PostgreSQL", shown, _reason(exc), hint) from None
     try:
@@ -194,8 +211,16 @@ def _without_password(dsn: str) -> str:
 
 
 class ApiClient:
-    def __init__(self, nats_url: str, prefix: str = "gpusched", timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        prefix: str = "gpusched",
+        timeout_s: float = 10.0,
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.nats_url = nats_url
+        self.tls = tls
         self.subjects = Subjects(prefix)
         self.timeout_s = timeout_s
         self._nc: NatsClient | None = None
@@ -204,10 +229,15 @@ class ApiClient:
     def for_stack(cls, settings: Settings | None = None, timeout_s: float = 10.0) -> ApiClient:
         """A client of the stack the environment names (env vars, else the stack file)."""
         resolved = stack_settings(settings)
-        return cls(require_nats_url(resolved), resolved.subject_prefix, timeout_s)
+        return cls(
+            require_nats_url(resolved),
+            resolved.subject_prefix,
+            timeout_s,
+            tls=nats_context(resolved),
+        )
 
     async def __aenter__(self) -> Self:
-        self._nc = await connect_nats(self.nats_url, "gpusched-cli")
+        self._nc = await connect_nats(self.nats_url, "gpusched-cli", tls=self.tls)
         return self
 
     async def __aexit__(

@@ -40,6 +40,7 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context, server_name
 from gpusched.simcluster.demand import SIM_DEMAND, InferenceDemand
 
 # Fast clocks so the story fits in a minute; every one of these is an ordinary setting.
@@ -202,12 +203,15 @@ async def _set_demand(nc: NatsClient, subjects: Subjects, gpus: float) -> None:
 async def scenario(settings: Settings, timeline: Timeline) -> None:
     assert settings.nats_url
     subjects = Subjects(settings.subject_prefix)
-    nc = await nats.connect(settings.nats_url, name="gpusched-demo")
+    nats_tls = nats_context(settings)
+    nc = await nats.connect(
+        settings.nats_url, name="gpusched-demo", tls=nats_tls, tls_hostname=server_name(nats_tls)
+    )
     p = subjects.prefix
     for subject in (f"{p}.evt.>", f"{p}.cmd.>", f"{p}.jobs.>", f"{p}.audit.preempt.>"):
         await nc.subscribe(subject, cb=timeline.on_message)
     try:
-        async with ApiClient(settings.nats_url, settings.subject_prefix) as api:
+        async with ApiClient(settings.nats_url, settings.subject_prefix, tls=nats_tls) as api:
             await api.wait_until_serving()
             await _play(api, nc, subjects, timeline)
     finally:

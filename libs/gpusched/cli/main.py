@@ -71,6 +71,7 @@ from gpusched.contracts.messages import (
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import first_error
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,7 +364,9 @@ def _audit(args: argparse.Namespace) -> int:
     subjects = Subjects(settings.subject_prefix)
 
     async def go() -> int:
-        nc = await connect_nats(require_nats_url(settings), "gpusched-audit")
+        nc = await connect_nats(
+            require_nats_url(settings), "gpusched-audit", tls=nats_context(settings)
+        )
         try:
             js = nc.jetstream()
             sub = await js.subscribe(

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ from gpusched.infra.supervisor import (
     Supervisor,
     describe_exit,
 )
+from gpusched.infra.tls import database_context, nats_context
 
 __all__ = [
     "SERVERS",
@@ -114,8 +116,9 @@ async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> Non
     error (client.Unreachable) within seconds, not a retry loop.
     """
     nats_url, db_url = settings.require_urls()
-    await check_postgres(db_url)
-    nc = await connect_nats(nats_url, "gpusched-prepare")
+    database_tls = database_context(settings)
+    await check_postgres(db_url, tls=database_tls)
+    nc = await connect_nats(nats_url, "gpusched-prepare", tls=nats_context(settings))
     try:
         await bus.ensure_streams(
             nc.jetstream(),
@@ -124,7 +127,7 @@ async def prepare(settings: Settings, services: Sequence[str] = SERVICES) -> Non
         )
     finally:
         await nc.close()
-    engine = create_engine(db_url, pool_size=1)
+    engine = create_engine(db_url, pool_size=1, tls=database_tls)
     try:
         for service in services:
             path = service_migrations(service)
@@ -194,6 +197,10 @@ class Stack:
     _closing: threading.Event = field(default_factory=threading.Event, init=False)
     _written_pids: dict[str, int] = field(default_factory=dict, init=False)
     _failure: str | None = field(default=None, init=False)
+    # The TLS contexts of the readiness checks (NATS, PostgreSQL), built once.
+    _tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] | None = field(
+        default=None, init=False
+    )
 
     @property
     def data_dir(self) -> Path:
@@ -352,16 +359,19 @@ class Stack:
         assert self.supervisor is not None
         from gpusched.cli.client import ApiClient, CliError
 
+        if self._tls is None:
+            self._tls = (nats_context(self.settings), database_context(self.settings))
+        nats_tls, database_tls = self._tls
         missing: list[str] = []
         try:
-            await check_postgres(self.settings.database_url)
+            await check_postgres(self.settings.database_url, tls=database_tls)
         except CliError as exc:
             missing.append(str(exc))
         for service in self.services:
             if self.supervisor.returncode(service) is not None:
                 missing.append(f"{service} is not running")
         try:
-            nc = await connect_nats(self.settings.nats_url, "gpusched-ready")
+            nc = await connect_nats(self.settings.nats_url, "gpusched-ready", tls=nats_tls)
         except CliError as exc:
             return [*missing, str(exc)]
         try:
@@ -379,7 +389,9 @@ class Stack:
             await nc.close()
         missing += [f"{s} is not consuming yet" for s in self.services if s not in fetching]
         if "admission" in self.services and not missing:
-            api = ApiClient(self.settings.nats_url, self.settings.subject_prefix, timeout_s=2.0)
+            api = ApiClient(
+                self.settings.nats_url, self.settings.subject_prefix, timeout_s=2.0, tls=nats_tls
+            )
             try:
                 async with api:
                     await api.get("job-000000000000")
