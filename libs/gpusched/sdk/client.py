@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
@@ -48,6 +49,7 @@ from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
+from gpusched.infra.tls import server_name
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
@@ -97,7 +99,8 @@ class AsyncJobClient:
     """One job attempt's link to the control plane (an async context manager).
 
     `connection` shares an existing NATS connection (the simulated cluster runs many
-    jobs over one); the client then leaves it open when it closes.
+    jobs over one); the client then leaves it open when it closes. `tls` is the context
+    of a NATS that requires TLS (`from_env` builds it from GPUSCHED_NATS_TLS__*).
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class AsyncJobClient:
         buffer_capacity: int = DEFAULT_CAPACITY,
         publish_wait_s: float = DEFAULT_WAIT_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.subjects = Subjects(prefix)
+        self._tls = tls
         self.job_id = job_id
         self.attempt = attempt
         self._events_subject = self.subjects.job_events(job_id)  # validates the job id
@@ -139,7 +144,9 @@ class AsyncJobClient:
     @classmethod
     def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
         env = environment or JobEnvironment.from_environ()
-        return cls(env.nats_url, env.job_id, env.attempt, prefix=env.prefix)
+        return cls(
+            env.nats_url, env.job_id, env.attempt, prefix=env.prefix, tls=env.nats_tls_context()
+        )
 
     # --- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> AsyncJobClient:
@@ -167,6 +174,8 @@ class AsyncJobClient:
                     error_cb=_quiet_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
+                    tls=self._tls,
+                    tls_hostname=server_name(self._tls),
                 )
             self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
             self._events = EventBuffer(
