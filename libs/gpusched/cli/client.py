@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import ssl
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -24,6 +25,7 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.infra import natsauth, tracing
 from gpusched.infra.natsauth import FIRST_OPERATOR
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context, server_name
 
 CONNECT_TIMEOUT_S = 2.0
 # The exit codes of the CLI: 2 for what the caller must fix (no URL known), 3 when the
@@ -145,8 +147,10 @@ async def connect_nats(
     timeout_s: float = CONNECT_TIMEOUT_S,
     hint: str = NATS_HINT,
     credentials: Path | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> NatsClient:
-    """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails.
+    """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails
+    (a certificate refused either way included). `tls`: see infra.tls.
 
     The connection does reconnect later if it drops (a short outage of the server), but
     the first connect is never retried: a wrong URL must fail now, not in minutes.
@@ -169,6 +173,8 @@ async def connect_nats(
                 reconnect_time_wait=0,
                 error_cb=note,
                 **natsauth.connect_options(credentials),  # type: ignore[arg-type]
+                tls=tls,
+                tls_hostname=server_name(tls),
             ),
             timeout=timeout_s + 1.0,
         )
@@ -200,15 +206,22 @@ async def _quietly_close(nc: NatsClient) -> None:
 
 
 async def check_postgres(
-    url: str, *, timeout_s: float = CONNECT_TIMEOUT_S, hint: str = POSTGRES_HINT
+    url: str,
+    *,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+    hint: str = POSTGRES_HINT,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
-    """One bounded connect and `SELECT 1`; Unreachable (one line) if that fails."""
+    """One bounded connect and `SELECT 1`; Unreachable (one line) if that fails.
+    `tls`: see infra.tls."""
     import asyncpg
 
     dsn = url.replace("postgresql+asyncpg://", "postgresql://", 1)
     shown = _without_password(dsn)
     try:
-        connection = await asyncio.wait_for(asyncpg.connect(dsn, timeout=timeout_s), timeout_s + 1)
+        connection = await asyncio.wait_for(
+            asyncpg.connect(dsn, timeout=timeout_s, ssl=tls), timeout_s + 1
+        )
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise Unreachable("PostgreSQL", shown, _reason(exc), hint) from None
     try:
@@ -235,9 +248,12 @@ class ApiClient:
         nats_url: str,
         prefix: str = "gpusched",
         timeout_s: float = 10.0,
+        *,
         credentials: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.tls = tls
         self.subjects = Subjects(prefix)
         self.timeout_s = timeout_s
         self.credentials = credentials
@@ -252,10 +268,13 @@ class ApiClient:
             resolved.subject_prefix,
             timeout_s,
             credentials=resolved.nats_credentials,
+            tls=nats_context(resolved),
         )
 
     async def __aenter__(self) -> Self:
-        self._nc = await connect_nats(self.nats_url, "gpusched-cli", credentials=self.credentials)
+        self._nc = await connect_nats(
+            self.nats_url, "gpusched-cli", credentials=self.credentials, tls=self.tls
+        )
         return self
 
     async def __aexit__(

@@ -41,6 +41,7 @@ from gpusched.contracts.messages import (
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import natsauth
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context, server_name
 from gpusched.simcluster.demand import SIM_DEMAND, InferenceDemand
 
 # Fast clocks so the story fits in a minute; every one of these is an ordinary setting.
@@ -203,9 +204,12 @@ async def _set_demand(nc: NatsClient, subjects: Subjects, gpus: float) -> None:
 async def scenario(settings: Settings, timeline: Timeline) -> None:
     assert settings.nats_url
     subjects = Subjects(settings.subject_prefix)
+    nats_tls = nats_context(settings)
     nc = await nats.connect(
         settings.nats_url,
         name="gpusched-demo",
+        tls=nats_tls,
+        tls_hostname=server_name(nats_tls),
         **natsauth.connect_options(stack_identity(settings, natsauth.SIMULATOR)),
     )
     p = subjects.prefix
@@ -213,7 +217,10 @@ async def scenario(settings: Settings, timeline: Timeline) -> None:
         await nc.subscribe(subject, cb=timeline.on_message)
     try:
         async with ApiClient(
-            settings.nats_url, settings.subject_prefix, credentials=settings.nats_credentials
+            settings.nats_url,
+            settings.subject_prefix,
+            credentials=settings.nats_credentials,
+            tls=nats_tls,
         ) as api:
             await api.wait_until_serving()
             await _play(api, nc, subjects, timeline)

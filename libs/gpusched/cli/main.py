@@ -73,6 +73,7 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import first_error
 from gpusched.infra import natsauth
 from gpusched.infra.settings import Settings
+from gpusched.infra.tls import nats_context
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,6 +372,7 @@ def _audit(args: argparse.Namespace) -> int:
             require_nats_url(settings),
             "gpusched-audit",
             credentials=stack_identity(settings, natsauth.AUDITOR),
+            tls=nats_context(settings),
         )
         try:
             js = nc.jetstream()

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ from gpusched.infra.supervisor import (
     Supervisor,
     describe_exit,
 )
+from gpusched.infra.tls import database_context, nats_context
 
 __all__ = [
     "SERVERS",
@@ -117,9 +119,13 @@ async def prepare(
     installer's identity (only it may create streams); default: the settings'.
     """
     nats_url, db_url = settings.require_urls()
-    await check_postgres(db_url)
+    database_tls = database_context(settings)
+    await check_postgres(db_url, tls=database_tls)
     nc = await connect_nats(
-        nats_url, "gpusched-prepare", credentials=credentials or settings.nats_credentials
+        nats_url,
+        "gpusched-prepare",
+        credentials=credentials or settings.nats_credentials,
+        tls=nats_context(settings),
     )
     try:
         await bus.ensure_streams(
@@ -129,7 +135,7 @@ async def prepare(
         )
     finally:
         await nc.close()
-    engine = create_engine(db_url, pool_size=1)
+    engine = create_engine(db_url, pool_size=1, tls=database_tls)
     try:
         for service in services:
             path = service_migrations(service)
@@ -202,6 +208,10 @@ class Stack:
     # The NATS credentials of the embedded stack (None on an external NATS).
     auth: natsauth.AuthBundle | None = field(default=None, init=False)
     credentials: dict[str, Path] = field(default_factory=dict, init=False)
+    # The TLS contexts of the readiness checks (NATS, PostgreSQL), built once.
+    _tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] | None = field(
+        default=None, init=False
+    )
 
     @property
     def data_dir(self) -> Path:
@@ -385,9 +395,12 @@ class Stack:
         assert self.supervisor is not None
         from gpusched.cli.client import ApiClient, CliError
 
+        if self._tls is None:
+            self._tls = (nats_context(self.settings), database_context(self.settings))
+        nats_tls, database_tls = self._tls
         missing: list[str] = []
         try:
-            await check_postgres(self.settings.database_url)
+            await check_postgres(self.settings.database_url, tls=database_tls)
         except CliError as exc:
             missing.append(str(exc))
         for service in self.services:
@@ -395,7 +408,10 @@ class Stack:
                 missing.append(f"{service} is not running")
         try:
             nc = await connect_nats(
-                self.settings.nats_url, "gpusched-ready", credentials=self._creds(natsauth.ADMIN)
+                self.settings.nats_url,
+                "gpusched-ready",
+                credentials=self._creds(natsauth.ADMIN),
+                tls=nats_tls,
             )
         except CliError as exc:
             return [*missing, str(exc)]
@@ -419,6 +435,7 @@ class Stack:
                 self.settings.subject_prefix,
                 timeout_s=2.0,
                 credentials=self.operator_credentials,
+                tls=nats_tls,
             )
             try:
                 async with api:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections import deque
@@ -38,6 +39,7 @@ from gpusched.infra import metrics, natsauth, tracing
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
+from gpusched.infra.tls import server_name
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,17 @@ UNAVAILABLE_MESSAGE = (
 )
 
 
-async def connect(url: str, name: str, credentials: Path | None = None) -> NatsClient:
+async def connect(
+    url: str,
+    name: str,
+    credentials: Path | None = None,
+    *,
+    tls: ssl.SSLContext | None = None,
+) -> NatsClient:
     """A NATS connection that reconnects forever (nats-py does it by itself) and says
     so in one log line when it drops and one when it is back. `credentials`: the
-    process's `.creds` file (its identity; the server enforces its permissions).
+    process's `.creds` file (its identity; the server enforces its permissions). `tls`
+    (infra.tls) is the context of a server that requires TLS (or a tls:// URL).
 
     While it is away, publishes queue in a bounded buffer (`pending_size`) and are sent
     on reconnect; a full buffer raises OutboundBufferLimitError, an outage."""
@@ -99,6 +108,8 @@ async def connect(url: str, name: str, credentials: Path | None = None) -> NatsC
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
         **natsauth.connect_options(credentials),  # type: ignore[arg-type]
+        tls=tls,
+        tls_hostname=server_name(tls),
     )
     return nc
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,11 @@ POOL_TIMEOUT_S = 10.0
 STATEMENT_TIMEOUT_S = 60.0
 
 
-def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
+def create_engine(
+    url: str, *, pool_size: int = 5, tls: ssl.SSLContext | None = None
+) -> AsyncEngine:
+    """The engine of one service; with `tls` (infra.tls) every connection is TLS, and
+    fails rather than goes plain if the server does not offer it."""
     engine = create_async_engine(
         url,
         pool_size=pool_size,
@@ -57,6 +62,7 @@ def create_engine(url: str, *, pool_size: int = 5) -> AsyncEngine:
             # The server gives up too, so a statement the client abandoned does not
             # keep its locks.
             "server_settings": {"statement_timeout": str(int(STATEMENT_TIMEOUT_S * 1000) + 5000)},
+            **({} if tls is None else {"ssl": tls}),
         },
     )
     sa_event.listen(engine.sync_engine, "checkin", _note_idle)

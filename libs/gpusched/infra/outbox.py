@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,12 +61,14 @@ class OutboxRelay:
         batch: int = 1000,
         poll_interval_s: float = 0.5,
         nats_connected: Callable[[], bool] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._js = js
         # While NATS is away, publishing would only pile copies of the batch into the
         # client's reconnect buffer (and hold the rows' locks for the ack timeout).
         self._nats_connected = nats_connected
         self._dsn = asyncpg_dsn(database_url)
+        self._tls = tls
         self._schema = check_token(schema, "schema")
         self._service = service
         self._batch = batch
@@ -136,7 +139,7 @@ class OutboxRelay:
 
     async def _open(self) -> asyncpg.Connection:
         return await asyncpg.connect(
-            self._dsn, timeout=CONNECT_TIMEOUT_S, command_timeout=QUERY_TIMEOUT_S
+            self._dsn, timeout=CONNECT_TIMEOUT_S, command_timeout=QUERY_TIMEOUT_S, ssl=self._tls
         )
 
     async def _close_broken(self) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpusched.contracts.subjects import Subjects
-from gpusched.infra import bus, metrics, tracing
+from gpusched.infra import bus, metrics, tls, tracing
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
 from gpusched.infra.errors import is_outage
 from gpusched.infra.leader import LeaderLease
@@ -63,20 +64,25 @@ class ServiceRuntime:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _relay: OutboxRelay | None = field(default=None, init=False)
     _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _database_tls: ssl.SSLContext | None = field(default=None, init=False)
 
     async def start(self) -> None:
         """Connect, create streams and run migrations. Handlers register after this."""
         nats_url, db_url = self.settings.require_urls()
         self.subjects = Subjects(self.settings.subject_prefix)
         tracing.setup(self.name, self.settings.trace_file)
-        self.nc = await bus.connect(nats_url, f"gpusched-{self.name}", self.credentials)
+        nats_tls = tls.nats_context(self.settings)
+        self._database_tls = tls.database_context(self.settings)
+        self.nc = await bus.connect(
+            nats_url, f"gpusched-{self.name}", self.credentials, tls=nats_tls
+        )
         self.js = self.nc.jetstream(publish_async_max_pending=self.settings.outbox.max_pending_acks)
         await bus.ensure_streams(
             self.js, self.subjects.streams(), replicas=self.settings.bus.stream_replicas
         )
         # A keyed consumer holds up to `consumer_concurrency` connections at once.
         pool_size = max(self.settings.db_pool_size, self.settings.bus.consumer_concurrency)
-        self.engine = create_engine(db_url, pool_size=pool_size)
+        self.engine = create_engine(db_url, pool_size=pool_size, tls=self._database_tls)
         if self.migrations is not None:
             await migrate(self.engine, self.schema, self.migrations)
             self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
@@ -90,6 +96,7 @@ class ServiceRuntime:
                 batch=self.settings.outbox.batch,
                 poll_interval_s=self.settings.outbox.poll_interval_s,
                 nats_connected=lambda: self.nc.is_connected,
+                tls=self._database_tls,
             )
 
     @property
@@ -180,7 +187,9 @@ class ServiceRuntime:
             raise RuntimeError(f"{self.name}: a task failed") from crashed[0].exception()
 
     async def _run_loop(self, spec: _Loop) -> None:
-        lease = LeaderLease(self.settings.require_urls()[1], f"{self.name}.{spec.name}")
+        lease = LeaderLease(
+            self.settings.require_urls()[1], f"{self.name}.{spec.name}", tls=self._database_tls
+        )
         outage = Outage(log, self.name, f"loop {spec.name}")
         try:
             while not self._stop.is_set():

@@ -10,8 +10,12 @@ from datetime import time
 from decimal import Decimal
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# TlsSettings is re-exported: a section like the others, defined beside its contexts.
+from gpusched.infra.tls import TlsSettings as TlsSettings
+from gpusched.infra.tls import check_files
 
 
 class Section(BaseModel):
@@ -196,6 +200,10 @@ class Settings(BaseSettings):
     trace_file: Path | None = Field(default=None, description="write spans as JSON lines here")
     log_level: str = "INFO"
     db_pool_size: int = Field(default=5, ge=1)
+    # GPUSCHED_NATS_TLS__CA_FILE, __CERT_FILE, __KEY_FILE, __VERIFY, __SERVER_NAME (and
+    # GPUSCHED_DATABASE_TLS__... the same); unset: the URL alone decides (infra.tls).
+    nats_tls: TlsSettings | None = Field(default=None, description="TLS to NATS")
+    database_tls: TlsSettings | None = Field(default=None, description="TLS to PostgreSQL")
 
     bus: BusSettings = BusSettings()
     outbox: OutboxSettings = OutboxSettings()
@@ -206,6 +214,16 @@ class Settings(BaseSettings):
     billing: BillingSettings = BillingSettings()
     agent: AgentSettings = AgentSettings()
     security: SecuritySettings = SecuritySettings()
+
+    @field_validator("nats_tls", "database_tls")
+    @classmethod
+    def _tls_files_exist(
+        cls, value: TlsSettings | None, info: ValidationInfo
+    ) -> TlsSettings | None:
+        # At start, one error naming the setting, not a connect failure much later.
+        if value is not None and info.field_name is not None:
+            check_files(value, f"GPUSCHED_{info.field_name.upper()}")
+        return value
 
     def require_urls(self) -> tuple[str, str]:
         if not self.nats_url or not self.database_url:

@@ -29,6 +29,7 @@ import inspect
 import logging
 import math
 import secrets
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,6 +53,7 @@ from gpusched.contracts.messages import StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
 from gpusched.infra.natsauth import AuthError, connect_options
+from gpusched.infra.tls import server_name
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
@@ -103,7 +105,8 @@ class AsyncJobClient:
     """One job attempt's link to the control plane (an async context manager).
 
     `connection` shares an existing NATS connection (the simulated cluster runs many
-    jobs over one); the client then leaves it open when it closes.
+    jobs over one); the client then leaves it open when it closes. `tls` is the context
+    of a NATS that requires TLS (`from_env` builds it from GPUSCHED_NATS_TLS__*).
     """
 
     def __init__(
@@ -119,8 +122,10 @@ class AsyncJobClient:
         publish_wait_s: float = DEFAULT_WAIT_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
         credentials: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.subjects = Subjects(prefix)
+        self._tls = tls
         self.job_id = job_id
         self.attempt = attempt
         self._events_subject = self.subjects.job_events(job_id)  # validates the job id
@@ -156,6 +161,7 @@ class AsyncJobClient:
             env.attempt,
             prefix=env.prefix,
             credentials=env.credentials,
+            tls=env.nats_tls_context(),
         )
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -185,6 +191,8 @@ class AsyncJobClient:
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                     **connect_options(self._credentials),
+                    tls=self._tls,
+                    tls_hostname=server_name(self._tls),
                 )
             self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
             self._events = EventBuffer(

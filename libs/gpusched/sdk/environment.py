@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from gpusched.infra.tls import NATS_TLS, TlsConfigError, TlsSettings, check_files, client_context
 from gpusched.sdk.errors import JobClientError
 
 
@@ -21,6 +25,13 @@ class EnvVar(StrEnum):
     CHECKPOINT_DIR = "GPUSCHED_CHECKPOINT_DIR"
     # The job's own NATS credentials (a .creds file the agent writes and renews).
     CREDENTIALS = "GPUSCHED_NATS_CREDENTIALS"
+    # The CA of a NATS that requires TLS; the other GPUSCHED_NATS_TLS__* are read too.
+    NATS_TLS_CA_FILE = "GPUSCHED_NATS_TLS__CA_FILE"
+
+
+# TLS to NATS, as the services read it: GPUSCHED_NATS_TLS__CA_FILE (what the agent passes
+# a job), __VERIFY, __SERVER_NAME, __CERT_FILE, __KEY_FILE. An empty value is unset.
+_TLS_FIELDS = tuple(TlsSettings.model_fields)
 
 
 DEFAULT_PREFIX = "gpusched"
@@ -36,6 +47,7 @@ class JobEnvironment:
     resume_checkpoint_id: str | None = None
     checkpoint_dir: Path | None = None
     credentials: Path | None = None
+    nats_tls: TlsSettings | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
@@ -61,10 +73,19 @@ class JobEnvironment:
             resume_checkpoint_id=env.get(EnvVar.RESUME_CHECKPOINT_ID) or None,
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
             credentials=Path(creds) if (creds := env.get(EnvVar.CREDENTIALS)) else None,
+            nats_tls=_nats_tls(env),
         )
 
+    def nats_tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the connection to NATS; None: as the URL says."""
+        try:
+            return client_context(self.nats_tls, NATS_TLS)
+        except TlsConfigError as exc:
+            raise JobClientError(str(exc)) from None
+
     def to_environ(self) -> dict[str, str]:
-        """The variables for a child process; absent values are empty, not inherited."""
+        """The variables for a child process; absent values are empty, not inherited
+        (the TLS ones are left out when unset)."""
         return {
             EnvVar.NATS_URL: self.nats_url,
             EnvVar.SUBJECT_PREFIX: self.prefix,
@@ -74,4 +95,37 @@ class JobEnvironment:
             EnvVar.RESUME_CHECKPOINT_ID: self.resume_checkpoint_id or "",
             EnvVar.CHECKPOINT_DIR: str(self.checkpoint_dir) if self.checkpoint_dir else "",
             EnvVar.CREDENTIALS: str(self.credentials) if self.credentials else "",
+            **_tls_environ(self.nats_tls),
         }
+
+
+def _nats_tls(env: Mapping[str, str]) -> TlsSettings | None:
+    given = {name: env[_tls_var(name)] for name in _TLS_FIELDS if env.get(_tls_var(name))}
+    if not given:
+        return None
+    try:
+        tls = TlsSettings.model_validate(given)
+        check_files(tls, NATS_TLS)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        name = _tls_var(str(error["loc"][0])) if error.get("loc") else NATS_TLS
+        raise JobClientError(f"{name}: {error['msg']}") from None
+    except TlsConfigError as exc:
+        raise JobClientError(str(exc)) from None
+    return tls
+
+
+def _tls_environ(tls: TlsSettings | None) -> dict[str, str]:
+    # Only what is set: an empty GPUSCHED_NATS_TLS__VERIFY would be an invalid setting
+    # for a process that reads Settings (the agent strips its own GPUSCHED_* anyway).
+    if tls is None:
+        return {}
+    values = tls.model_dump(exclude_none=True)
+    return {
+        _tls_var(name): str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in values.items()
+    }
+
+
+def _tls_var(name: str) -> str:
+    return f"{NATS_TLS}__{name.upper()}"

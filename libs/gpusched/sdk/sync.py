@@ -20,6 +20,7 @@ thread, where the training state lives.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -52,8 +53,10 @@ class JobClient:
         buffer_capacity: int = DEFAULT_CAPACITY,
         publish_wait_s: float = DEFAULT_WAIT_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.job_id = job_id
+        self._tls = tls
         self.attempt = attempt
         self.environment = environment
         self._args = (nats_url, job_id, attempt)
@@ -72,6 +75,8 @@ class JobClient:
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> JobClient:
         """A client for the job the agent launched this process for (GPUSCHED_* variables)."""
         env = JobEnvironment.from_environ(environ)
+        if "tls" not in kwargs:
+            kwargs["tls"] = env.nats_tls_context()
         return cls(
             env.nats_url, env.job_id, env.attempt, prefix=env.prefix, environment=env, **kwargs
         )
@@ -134,6 +139,7 @@ class JobClient:
             publish_wait_s=self._publish_wait_s,
             flush_timeout_s=self._flush_timeout_s,
             credentials=self.environment.credentials if self.environment else None,
+            tls=self._tls,
         )
         await client.connect()
         return client
