@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,6 @@ SECRETS: dict[str, set[str]] = {
 NATS_CLIENT_LABEL = "gpusched.io/nats-client"
 # Settings the NATS auth and TLS work adds, under these names. While Settings has no
 # field or section of that name they are taken on trust; once it has, they are checked.
-AUTH_AND_TLS_SETTINGS = {
-    "GPUSCHED_NATS_CREDENTIALS",
-    "GPUSCHED_SECURITY__JOB_SIGNING_KEY",
-    *(f"GPUSCHED_NATS_TLS__{k}" for k in ("CA_FILE", "CERT_FILE", "KEY_FILE")),
-    *(f"GPUSCHED_DATABASE_TLS__{k}" for k in ("CA_FILE", "CERT_FILE", "KEY_FILE", "VERIFY")),
-}
 SERVICE_ALERTS = {
     "GpuschedServiceAbsent",
     "GpuschedServiceDown",
@@ -292,10 +287,19 @@ def run_tool(
     )
 
 
-def settings_from(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+def settings_from(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, mounted: Path | None = None
+) -> Settings:
+    """The Settings a container with `env` reads. The TLS files it names are mounted
+    in the container, not here: with `mounted`, each is stood in for by an empty file
+    there (the settings check that such files exist)."""
     for key in [k for k in os.environ if k.startswith("GPUSCHED_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
+        if mounted is not None and "_TLS__" in key and key.endswith("_FILE"):
+            stand_in = mounted / key.lower()
+            stand_in.write_text("")
+            value = str(stand_in)
         monkeypatch.setenv(key, value)
     return Settings()
 
@@ -304,36 +308,24 @@ def assert_known_settings(env: dict[str, str]) -> None:
     """Every GPUSCHED_* name is a Settings field (the top level ignores unknown names)."""
     for key in (k for k in env if k.startswith("GPUSCHED_")):
         path = key.removeprefix("GPUSCHED_").lower().split("__")
-        if key in AUTH_AND_TLS_SETTINGS and path[0] not in Settings.model_fields:
-            continue
         assert path[0] in Settings.model_fields, f"{key} is not a Settings field"
         if len(path) == 2:
             section = Settings.model_fields[path[0]].annotation
-            assert section is not None and path[1] in section.model_fields, f"{key} unknown"
+            # An optional section (`TlsSettings | None`): the model among its members.
+            models = [t for t in typing.get_args(section) if isinstance(t, type)] or [section]
+            fields = {f for t in models for f in getattr(t, "model_fields", {})}
+            assert path[1] in fields, f"{key} unknown"
 
 
 # --- running nats-server on the configurations -----------------------------------------------
-# Where this tree's CLI has no `gpusched auth init` yet: the same accounts, with users
-# instead of an operator, so that the rest of a configuration is still checked.
-STAND_IN_AUTH = """
-system_account: SYS
-accounts {
-  SYS { users: [{user: sys, password: stand-in}] }
-  GPUSCHED { jetstream: enabled, users: [{user: admission, password: stand-in}] }
-}
-"""
-
-
 @pytest.fixture(scope="module")
 def auth_fragment(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """server/auth.conf of a fresh `gpusched auth init` bundle (or STAND_IN_AUTH)."""
+    """server/auth.conf of a fresh `gpusched auth init` bundle."""
     cli = [sys.executable, "-c", "from gpusched.cli.main import main; raise SystemExit(main())"]
     bundle = tmp_path_factory.mktemp("auth") / "bundle"
     result = subprocess.run(
         [*cli, "auth", "init", str(bundle)], capture_output=True, text=True, timeout=120
     )
-    if result.returncode == 2 and "invalid choice: 'auth'" in result.stderr:
-        return STAND_IN_AUTH
     assert result.returncode == 0, result.stderr
     return (bundle / "server/auth.conf").read_text()
 
@@ -446,14 +438,14 @@ def test_every_service_has_a_compose_service_running_it_from_the_image() -> None
 
 
 def test_compose_services_reach_nats_and_postgres_of_the_stack(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     services = compose()["services"]
     pg_env = services["postgres"]["environment"]
     for name in BUS_AND_DB_USERS:
         env = {k: compose_value(str(v)) for k, v in services[name]["environment"].items()}
         assert_known_settings(env)
-        settings = settings_from(env, monkeypatch)
+        settings = settings_from(env, monkeypatch, tmp_path)
         nats_url, db_url = settings.require_urls()
         assert urlsplit(nats_url).hostname == "nats" and urlsplit(nats_url).port == 4222
         db = urlsplit(db_url)
@@ -603,7 +595,7 @@ def test_k8s_replicas_follow_the_scale_out_plan() -> None:
 
 
 def test_k8s_pods_get_their_settings_from_the_configmap_and_the_secret(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     env: dict[str, str] = dict(k8s_objects("ConfigMap")["gpusched-env"]["data"])
     # The Secret is the operator's; secret.example.yaml shows its shape.
@@ -614,7 +606,7 @@ def test_k8s_pods_get_their_settings_from_the_configmap_and_the_secret(
     for pod in gpusched_pods().values():
         env.update({k: v for k, v in container_env(pod["containers"][0]).items() if type(v) is str})
     assert_known_settings(env)
-    settings = settings_from(env, monkeypatch)
+    settings = settings_from(env, monkeypatch, tmp_path)
     nats_url, db_url = settings.require_urls()
     assert urlsplit(db_url).scheme == "postgresql+asyncpg"
     assert urlsplit(nats_url).scheme == "tls", "the services reach NATS over TLS only"

@@ -192,16 +192,15 @@ class Issuer:
 
     @classmethod
     def from_seed_file(cls, path: Path, *, scoped: bool) -> Issuer:
-        """A signing key from its seed file, and the account it signs for from the
-        `.account` file beside it (both written by AuthBundle.create)."""
+        """A signing key from its seed file: the seed, then the public key of the account
+        it signs for (AuthBundle.create writes both; an account's own key needs none)."""
         try:
-            seed = path.read_bytes().strip()
-            account = path.with_suffix(".account").read_text().strip()
-            return cls(nkeys.from_seed(bytearray(seed)), account, scoped)
-        except (OSError, nkeys.NkeysError, ValueError) as exc:
-            raise AuthError(
-                f"cannot read the signing key {path} (and its .account file): {exc}"
-            ) from exc
+            words = path.read_text().split()
+            key = nkeys.from_seed(bytearray(words[0].encode()))
+            account = words[1] if len(words) > 1 else _public(key)
+            return cls(key, account, scoped)
+        except (OSError, IndexError, nkeys.NkeysError, ValueError) as exc:
+            raise AuthError(f"cannot read the signing key {path}: {exc}") from exc
 
     def creds(self, identity: Identity, now: float | None = None) -> str:
         at = time.time() if now is None else now
@@ -318,10 +317,11 @@ class AuthBundle:
             node_issuer=_new_key(nkeys.PREFIX_BYTE_ACCOUNT),
         )
         for name in cls._KEYS:
-            write_secret(bundle.keys_dir / f"{name}.nk", _seed(bundle._key(name)) + "\n")
-        for issuer in ("job-issuer", "node-issuer"):
-            # Which account a scoped key signs for (its users name it as issuer_account).
-            (bundle.keys_dir / f"{issuer}.account").write_text(bundle.service_account_id + "\n")
+            text = _seed(bundle._key(name)) + "\n"
+            if name in ("job-issuer", "node-issuer"):
+                # The account a scoped key signs for (its users name it issuer_account).
+                text += bundle.service_account_id + "\n"
+            write_secret(bundle.keys_dir / f"{name}.nk", text)
         bundle.write_server_config()
         return bundle
 
@@ -331,7 +331,7 @@ class AuthBundle:
         for name in cls._KEYS:
             path = root / "keys" / f"{name}.nk"
             try:
-                keys[name] = nkeys.from_seed(bytearray(path.read_bytes().strip()))
+                keys[name] = nkeys.from_seed(bytearray(path.read_bytes().split()[0]))
             except (OSError, nkeys.NkeysError, ValueError) as exc:
                 raise AuthError(
                     f"cannot read {path}: {exc}; make a new bundle with `gpusched auth init`"

@@ -45,6 +45,7 @@ async def start_agent(rt: ServiceRuntime) -> ClusterAgent:
         agent_id=f"{NAME}@{socket.gethostname()}",
         nats_url=nats_url,
         connection=rt.nc,
+        nats_ca=None if rt.settings.nats_tls is None else rt.settings.nats_tls.ca_file,
     )
     rt.consume(
         bus.Consumer(

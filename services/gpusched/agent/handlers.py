@@ -117,6 +117,7 @@ class ClusterAgent:
         agent_id: str,
         nats_url: str,
         connection: NatsClient,
+        nats_ca: Path | None = None,
         evict_grace_s: float = 10.0,
         shutdown_grace_s: float = 3.0,
         clock: Callable[[], datetime] = utcnow,
@@ -130,6 +131,9 @@ class ClusterAgent:
         prepare_workdir(self._workdir, self._user)
         self._nats_url = nats_url
         self._nc = connection
+        # The CA a job needs to reach a NATS that requires TLS (never the agent's own
+        # client certificate or key: those are the agent's identity).
+        self._nats_ca = nats_ca
         self._evict_grace_s = evict_grace_s
         self._shutdown_grace_s = shutdown_grace_s
         self._now = clock
@@ -496,6 +500,7 @@ class ClusterAgent:
                 workdir=self._workdir,
                 user=self._user,
                 pass_env=self._settings.workload_env,
+                nats_ca=self._nats_ca,
             )
         return SimWorkload(
             start,

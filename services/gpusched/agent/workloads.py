@@ -26,6 +26,7 @@ from nats.aio.client import Client as NatsClient
 
 from gpusched.agent.identity import WorkloadUser, prepare_job_dir
 from gpusched.contracts.messages import GpuShare, StartWorkload, StopReason
+from gpusched.infra.settings import TlsSettings
 from gpusched.infra.supervisor import spawn_bound_child, terminate
 from gpusched.sdk import (
     AsyncJobClient,
@@ -316,6 +317,7 @@ class ProcessWorkload:
         base_env: Mapping[str, str] | None = None,
         user: WorkloadUser | None = None,
         pass_env: Sequence[str] = (),
+        nats_ca: Path | None = None,
     ) -> None:
         self._start = start
         self._dir = job_dir(workdir, start.job_id)
@@ -331,6 +333,7 @@ class ProcessWorkload:
             resume_checkpoint_id=resume.checkpoint_id if resume else None,
             checkpoint_dir=self._dir,
             credentials=self._dir / CREDENTIALS_FILE if start.credentials else None,
+            nats_tls=None if nats_ca is None else TlsSettings(ca_file=nats_ca),
         )
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._process: subprocess.Popen[bytes] | None = None
