@@ -109,7 +109,13 @@ async def run(ctx: Context) -> list[Figure]:
     try:
         assert watched.settings.nats_url
         # Probes resent every half second: the figures' resolution, not a 3 s timeout's.
-        async with Load(watched.settings.nats_url, prefix, rate=RATE, timeout_s=0.5) as load:
+        async with Load(
+            watched.settings.nats_url,
+            prefix,
+            rate=RATE,
+            timeout_s=0.5,
+            credentials=watched.settings.nats_credentials,
+        ) as load:
             stop = asyncio.Event()
             background = asyncio.create_task(load.run(stop))
             try:

@@ -35,6 +35,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import BaseModel
+from tests.support.identity import harness_options
 
 from bench.harness import Context, Figure, percentile
 from gpusched.checkpoint.handlers import saga_id_for
@@ -198,7 +199,9 @@ async def run(ctx: Context) -> list[Figure]:
     )
     ctx.progress(f"{NAME}: starting the checkpoint service")
     await asyncio.to_thread(stack.start)
-    nc = await nats.connect(ctx.nats_url, name="bench-sagas")
+    # The bench plays the jobs and the agent: the harness identity, anything in the
+    # service account (on the bench's own NATS without auth: no identity at all).
+    nc = await nats.connect(ctx.nats_url, name="bench-sagas", **harness_options(stack.settings))
     try:
         s = Subjects(settings.subject_prefix)
         checkpoint = ctx.scratch / "sagas-checkpoint.bin"

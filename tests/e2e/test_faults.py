@@ -131,7 +131,11 @@ async def _run_suite(
     assert settings.nats_url
     run = Run()
     async with Load(
-        settings.nats_url, settings.subject_prefix, rate=rate, long_steps=long_steps
+        settings.nats_url,
+        settings.subject_prefix,
+        rate=rate,
+        long_steps=long_steps,
+        credentials=settings.nats_credentials,
     ) as load:
         warmup = await load.submit_until_acked("warmup", 60)
         await within("the first job placed", lambda: placed(load, warmup), 60)

@@ -46,8 +46,10 @@ from gpusched.contracts.messages import (
     WorkloadSpec,
 )
 from gpusched.contracts.subjects import Subjects
+from gpusched.infra import natsauth
 from gpusched.infra.db import asyncpg_dsn
 from gpusched.infra.settings import Settings
+from tests.support.identity import harness_options
 
 SERVERS = ("nats", "postgres")
 REQUEST_TIMEOUT_S = 3.0
@@ -261,7 +263,11 @@ async def back(stack: Stack, target: str, old_pid: int, seconds: float) -> float
 async def nats_answers(settings: Settings) -> bool:
     assert settings.nats_url
     nc = await nats.connect(
-        settings.nats_url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False
+        settings.nats_url,
+        connect_timeout=1,
+        max_reconnect_attempts=0,
+        allow_reconnect=False,
+        **harness_options(settings),
     )
     try:
         await asyncio.wait_for(nc.jetstream().account_info(), 2)
@@ -309,6 +315,8 @@ class Load:
     step_seconds: float = 0.05
     # How long a request waits for its answer; shorter measures a recovery more finely.
     timeout_s: float = REQUEST_TIMEOUT_S
+    # The client's identity (an operator's, which may submit for the team); None: none.
+    credentials: Path | None = None
     acked: dict[str, Acked] = field(default_factory=dict)
     duplicates: list[tuple[str, str, str]] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
@@ -325,6 +333,7 @@ class Load:
             connect_timeout=2,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
+            **natsauth.connect_options(self.credentials),
         )
         return self
 

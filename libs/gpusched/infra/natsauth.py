@@ -214,9 +214,6 @@ class Issuer:
         )
         return creds_text(jwt, seed)
 
-    def expiry(self, identity: Identity, now: float) -> float | None:
-        return None if identity.ttl_s is None else now + identity.ttl_s
-
 
 def write_secret(path: Path, text: str) -> None:
     """Written whole or not at all, readable by the owner only."""
