@@ -15,7 +15,7 @@ import pytest
 
 from gpusched.infra.db import asyncpg_dsn
 from gpusched.infra.settings import Settings
-from tests.conftest import Servers
+from tests.conftest import Servers, harness_credentials_in, install
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,16 @@ async def module_settings(servers: Servers) -> AsyncIterator[Settings]:
         await admin.close()
     scratch = Path(tempfile.mkdtemp(prefix="gpusched-fuzz-"))
     base, _, _ = servers.admin_database_url.rpartition("/")
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    security = await install(servers, prefix, scratch / "auth")
     yield Settings(
         nats_url=servers.nats_url,
+        # The services run as the harness, as in the service tests (tests/conftest.py).
+        nats_credentials=harness_credentials_in(security),
         database_url=f"{base}/{name}",
-        subject_prefix=f"f{uuid.uuid4().hex[:10]}",
+        subject_prefix=prefix,
         data_dir=scratch / "data",
+        security=security,
     )
     shutil.rmtree(scratch, ignore_errors=True)
     admin = await asyncpg.connect(asyncpg_dsn(servers.admin_database_url))
