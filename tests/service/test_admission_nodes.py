@@ -22,6 +22,7 @@ from tests.service.test_agent_service import Cluster, sim
 from tests.service.test_checkpoint_service import checkpoint_file
 from tests.service.test_checkpoint_service import running as checkpoint_service
 from tests.support.admission import Admission, Client, start_admission, with_inventory
+from tests.support.identity import credentials_of
 from tests.support.waiting import eventually
 
 from gpusched.admission import store
@@ -558,6 +559,8 @@ async def test_the_node_commands_of_the_cli_drain_and_list(
         **os.environ,
         "GPUSCHED_NATS_URL": str(admission_settings.nats_url),
         "GPUSCHED_SUBJECT_PREFIX": admission_settings.subject_prefix,
+        # An operator's identity: node commands need the operator role.
+        "GPUSCHED_NATS_CREDENTIALS": str(credentials_of(admission_settings, "operator") or ""),
     }
 
     async def cli(*args: str) -> tuple[int, str]:

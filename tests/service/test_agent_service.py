@@ -20,7 +20,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 from pydantic import BaseModel
-from tests.support.identity import harness_options
+from tests.support.identity import harness_options, job_credentials
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.agent.app import start_agent
@@ -96,6 +96,8 @@ class Cluster:
 
     async def start(self, alloc: str, job: str, spec: WorkloadSpec, **kw: object) -> Envelope:
         gpus = [GpuRef(node="shared-00", index=i, model="A100-80GB") for i in (0, 1)]
+        # As admission sends it: with the job's own credentials.
+        kw.setdefault("credentials", job_credentials(self.rt.settings, job))
         start = StartWorkload(
             allocation_id=alloc, job_id=job, attempt=kw.pop("attempt", 1), gpus=gpus,
             workload=spec, **kw,
@@ -516,8 +518,13 @@ async def test_a_process_workload_runs_unprivileged_in_its_own_directory_without
     assert writable == "writable"
     assert (job_dir / "written").stat().st_uid == nobody.pw_uid
     env = dict(line.split("=", 1) for line in environment.splitlines() if "=" in line)
-    assert not set(_AGENT_SECRETS) & set(env), env
+    # None of the agent's secrets; the one credentials variable is the job's own file.
+    assert not {k: v for k, v in _AGENT_SECRETS.items() if env.get(k) == v}, env
+    assert not set(_AGENT_SECRETS) - {"GPUSCHED_NATS_CREDENTIALS"} & set(env), env
     assert not any(name.startswith("GPUSCHED_SECURITY") for name in env)
+    creds = job_dir / "nats.creds"
+    assert env["GPUSCHED_NATS_CREDENTIALS"] == str(creds)
+    assert creds.stat().st_uid == nobody.pw_uid and creds.stat().st_mode & 0o777 == 0o600
     assert env["GPUSCHED_JOB_ID"] == "job-who"
     assert env["GPUSCHED_CHECKPOINT_DIR"] == str(job_dir)
     assert env["HOME"] == str(job_dir)

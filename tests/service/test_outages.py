@@ -19,7 +19,7 @@ from pathlib import Path
 import nats
 import pytest
 from prometheus_client import REGISTRY
-from tests.conftest import Servers
+from tests.conftest import Servers, harness_credentials_in, install
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.contracts.envelope import Envelope, make_envelope
@@ -133,11 +133,14 @@ async def test_a_postgres_outage_longer_than_the_retry_budget_loses_and_dead_let
 ) -> None:
     pg = EmbeddedPostgres(scratch / "pg", port=free_port())
     database_url = await asyncio.to_thread(pg.start)
+    security = await install(servers, prefix, tmp_path / "auth")
     settings = Settings(
         nats_url=servers.nats_url,
+        nats_credentials=harness_credentials_in(security),
         database_url=database_url,
         subject_prefix=prefix,
         data_dir=tmp_path / "data",
+        security=security,
     )
     try:
         async with probe(settings) as (runtime, task):

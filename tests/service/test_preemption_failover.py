@@ -22,7 +22,7 @@ import nats
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tests.support.identity import harness_options
+from tests.support.identity import harness_options, service_env
 from tests.support.waiting import eventually
 
 from gpusched.cli.stack import prepare
@@ -67,6 +67,7 @@ async def replicas(settings: Settings, tmp_path: Path) -> AsyncIterator[Supervis
             "GPUSCHED_DATABASE_URL": settings.database_url,
             "GPUSCHED_SUBJECT_PREFIX": settings.subject_prefix,
             "GPUSCHED_DATA_DIR": str(settings.data_dir.resolve()),
+            **service_env(settings),  # each replica connects as preemption itself
             **ENV,
         },
         log_dir=tmp_path / "logs",

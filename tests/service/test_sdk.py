@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 from tests.conftest import Servers
+from tests.support.identity import job_credentials_file
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.contracts.envelope import Envelope, make_envelope
@@ -82,6 +83,11 @@ class ControlPlane:
         return [Envelope.from_bytes(m.data) for m in msgs]
 
 
+def creds(servers: Servers, prefix: str, job_id: str, into: Path) -> Path | None:
+    """The job's own credentials, as admission would issue them (its subjects only)."""
+    return job_credentials_file(servers.auth, prefix, job_id, into)
+
+
 @pytest.fixture
 async def control(servers: Servers, prefix: str) -> AsyncIterator[ControlPlane]:
     nc = await nats.connect(servers.nats_url, **servers.nats_options)
@@ -102,7 +108,13 @@ def _write_state(step: int) -> bytes:
 async def test_a_requested_checkpoint_is_saved_then_confirmed_snapshotted_and_persisted(
     servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
-    async with AsyncJobClient(servers.nats_url, "job-a", 2, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-a",
+        2,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-a", tmp_path),
+    ) as job:
         await job.started(resumed_from="ckpt-0")
         seen: list[CheckpointRequest] = []
         job.on_checkpoint_requested(seen.append)
@@ -150,7 +162,13 @@ async def test_a_persist_step_confirms_the_durable_copy_after_the_snapshot(
             checkpoint_id=snapshot.checkpoint_id,
         )
 
-    async with AsyncJobClient(servers.nats_url, "job-p", 1, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-p",
+        1,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-p", tmp_path),
+    ) as job:
         await control.request_checkpoint("job-p", "req-9", StageName.SNAPSHOTTED)
         request = await job.next_control(timeout=20)
         assert isinstance(request, CheckpointRequest)
@@ -167,9 +185,15 @@ async def test_a_persist_step_confirms_the_durable_copy_after_the_snapshot(
 
 
 async def test_a_cancelled_request_is_no_longer_pending_and_the_job_is_told(
-    servers: Servers, prefix: str, control: ControlPlane
+    servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
-    async with AsyncJobClient(servers.nats_url, "job-c", 1, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-c",
+        1,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-c", tmp_path),
+    ) as job:
         await control.request_checkpoint("job-c", "req-1")
         await control.cancel("job-c", "req-1")
         messages = [await job.next_control(timeout=20), await job.next_control(timeout=20)]
@@ -179,10 +203,16 @@ async def test_a_cancelled_request_is_no_longer_pending_and_the_job_is_told(
 
 
 async def test_a_request_sent_to_an_earlier_attempt_is_not_replayed_to_the_next(
-    servers: Servers, prefix: str, control: ControlPlane
+    servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
     await control.request_checkpoint("job-r", "old-request")
-    async with AsyncJobClient(servers.nats_url, "job-r", 2, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-r",
+        2,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-r", tmp_path),
+    ) as job:
         assert await job.next_control(timeout=0.5) is None
         await control.request_checkpoint("job-r", "new-request")
         request = await job.next_control(timeout=20)
@@ -191,12 +221,18 @@ async def test_a_request_sent_to_an_earlier_attempt_is_not_replayed_to_the_next(
 
 
 async def test_a_failing_save_publishes_checkpoint_failed_and_raises(
-    servers: Servers, prefix: str, control: ControlPlane
+    servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
     def broken_save() -> SavedCheckpoint:
         raise OSError("disk full")
 
-    async with AsyncJobClient(servers.nats_url, "job-f", 1, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-f",
+        1,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-f", tmp_path),
+    ) as job:
         await control.request_checkpoint("job-f", "req-1")
         request = await job.next_control(timeout=20)
         assert isinstance(request, CheckpointRequest)
@@ -210,9 +246,15 @@ async def test_a_failing_save_publishes_checkpoint_failed_and_raises(
 
 
 async def test_a_malformed_control_message_is_skipped_and_the_next_one_arrives(
-    servers: Servers, prefix: str, control: ControlPlane
+    servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
-    async with AsyncJobClient(servers.nats_url, "job-m", 1, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-m",
+        1,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-m", tmp_path),
+    ) as job:
         await control.js.publish(control.s.job_control("job-m"), b"not an envelope")
         await control.request_checkpoint("job-m", "req-2")
         request = await job.next_control(timeout=20)
@@ -229,6 +271,7 @@ async def test_the_sync_client_lets_a_training_thread_checkpoint_at_a_step_bound
         "GPUSCHED_JOB_ID": "job-s",
         "GPUSCHED_ATTEMPT": "3",
         "GPUSCHED_CHECKPOINT_DIR": str(tmp_path),
+        "GPUSCHED_NATS_CREDENTIALS": str(creds(servers, prefix, "job-s", tmp_path) or ""),
     }
     listening = threading.Event()
     result: dict[str, object] = {}
@@ -270,10 +313,16 @@ async def test_the_sync_client_lets_a_training_thread_checkpoint_at_a_step_bound
 
 
 async def test_a_client_fails_with_a_clear_error_when_there_is_no_control_plane(
-    servers: Servers,
+    servers: Servers, tmp_path: Path
 ) -> None:
     with pytest.raises(JobClientError, match="control plane"):
-        async with AsyncJobClient(servers.nats_url, "job-x", 1, prefix="nostreamshere"):
+        async with AsyncJobClient(
+            servers.nats_url,
+            "job-x",
+            1,
+            prefix="nostreamshere",
+            credentials=creds(servers, "nostreamshere", "job-x", tmp_path),
+        ):
             pass
 
 
@@ -346,9 +395,15 @@ def test_a_torch_checkpoint_restores_model_optimizer_and_rng_so_training_continu
 
 
 async def test_a_nan_metric_or_a_coloured_traceback_never_stops_the_loop_nor_its_report(
-    servers: Servers, prefix: str, control: ControlPlane
+    servers: Servers, prefix: str, control: ControlPlane, tmp_path: Path
 ) -> None:
-    async with AsyncJobClient(servers.nats_url, "job-hostile", 1, prefix=prefix) as job:
+    async with AsyncJobClient(
+        servers.nats_url,
+        "job-hostile",
+        1,
+        prefix=prefix,
+        credentials=creds(servers, prefix, "job-hostile", tmp_path),
+    ) as job:
         await job.progress(3, loss=float("nan"), lr=0.1, grad_norm=float("inf"))
         await job.failed("Traceback\x1b[31m boom\x00 \u202eevil")
 
