@@ -313,3 +313,31 @@ async def test_a_sample_from_a_node_outside_the_inventory_is_retried_then_dead_l
     finally:
         runtime.request_stop()
         await asyncio.wait_for(task, 15)
+
+
+async def test_scraped_dcgm_readings_take_the_bus_samples_path_into_the_snapshot(
+    ingest: ServiceRuntime,
+) -> None:
+    """Exporter text parsed by ingest.dcgm and stored through accept_samples: a known
+    node lands in the snapshot, an unknown one is refused, not stored."""
+    from pathlib import Path
+
+    from gpusched.ingest import dcgm, handlers
+
+    text = (Path(__file__).parents[1] / "unit" / "data" / "dcgm-exporter.txt").read_text()
+    series = dcgm.parse_exporter_text(text)
+    known = dcgm.samples_from_series(series, utcnow(), node="sh-1").samples
+    stranger = dcgm.samples_from_series(series, utcnow()).samples  # Hostname node-a
+    await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
+    for _ in range(50):
+        async with ingest.uow() as uow:
+            if await handlers.store.node_gpus(uow, "sh-1") is not None:
+                break
+        await asyncio.sleep(0.1)
+    async with ingest.uow() as uow:
+        refused = await handlers.accept_samples(uow, known + stranger)
+        await uow.commit()
+
+    assert list(refused) == ["node-a"]
+    snapshot = await snapshot_where(ingest, lambda s: pools(s)["shared"].reporting_gpus == 2)
+    assert pools(snapshot)["shared"].util == pytest.approx((0.87 + 0.5) / 2)

@@ -48,9 +48,9 @@ class UnknownNode(Exception):
 
 
 # --- telemetry ----------------------------------------------------------------------------
-async def on_gpu_sample(envelope: Envelope, uow: UnitOfWork) -> None:
-    sample = envelope.payload(GpuSample)
-    gpus = await store.node_gpus(uow, sample.node)
+def check_sample(sample: GpuSample, gpus: int | None) -> None:
+    """The inventory's rule for one node's sample (`gpus`: the node's GPU count, None
+    if the inventory does not hold it), whichever source it came from."""
     if gpus is None:
         raise UnknownNode(f"node {sample.node!r} is not in the inventory")
     beyond = sorted(g.index for g in sample.gpus if g.index >= gpus)
@@ -58,7 +58,27 @@ async def on_gpu_sample(envelope: Envelope, uow: UnitOfWork) -> None:
         raise Rejected(
             f"node {sample.node!r} has {gpus} GPUs: no GPU index {', '.join(map(str, beyond))}"
         )
+
+
+async def on_gpu_sample(envelope: Envelope, uow: UnitOfWork) -> None:
+    sample = envelope.payload(GpuSample)
+    check_sample(sample, await store.node_gpus(uow, sample.node))
     await store.add_gpu_sample(uow, sample)
+
+
+async def accept_samples(uow: UnitOfWork, samples: list[GpuSample]) -> dict[str, str]:
+    """Store the samples of a scrape round (not the bus) through the same check as
+    `on_gpu_sample`; returns the refused nodes and why. A scrape is not redelivered,
+    so an unknown node is refused at once rather than retried."""
+    refused: dict[str, str] = {}
+    for sample in samples:
+        try:
+            check_sample(sample, await store.node_gpus(uow, sample.node))
+        except (UnknownNode, Rejected) as exc:
+            refused[sample.node] = str(exc)
+            continue
+        await store.add_gpu_sample(uow, sample)
+    return refused
 
 
 async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:
