@@ -404,7 +404,12 @@ class Stack:
         except CliError as exc:
             missing.append(str(exc))
         for service in self.services:
-            if self.supervisor.returncode(service) is not None:
+            try:
+                running = self.supervisor.returncode(service) is None
+            except KeyError:
+                # Given up on (a crash loop) between two checks: the failure says why.
+                running = False
+            if not running:
                 missing.append(f"{service} is not running")
         try:
             nc = await connect_nats(
