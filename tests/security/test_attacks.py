@@ -412,25 +412,27 @@ async def test_operator_commands_need_the_operator_role(
 
 
 # --- per-job credentials ----------------------------------------------------------------
-async def _start_command(harness: NatsClient, s: Subjects, job_id: str) -> StartWorkload:
-    js = harness.jetstream()
+async def _commands(harness: NatsClient, s: Subjects, message_type: str) -> list[Envelope]:
+    """Every agent command of `message_type` stored so far, oldest first."""
+    sub = await harness.jetstream().subscribe(
+        s.command("agent", message_type),
+        stream=s.stream("COMMANDS"),
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+    )
+    found: list[Envelope] = []
+    try:
+        while True:
+            found.append(Envelope.from_bytes((await sub.next_msg(timeout=0.5)).data))
+    except nats.errors.TimeoutError:
+        return found
+    finally:
+        await sub.unsubscribe()
 
+
+async def _start_command(harness: NatsClient, s: Subjects, job_id: str) -> StartWorkload:
     async def read() -> StartWorkload | None:
-        sub = await js.subscribe(
-            s.command("agent", T.START_WORKLOAD),
-            stream=s.stream("COMMANDS"),
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-        )
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=0.5)
-                start = Envelope.from_bytes(msg.data).payload(StartWorkload)
-                if start.job_id == job_id:
-                    return start
-        except nats.errors.TimeoutError:
-            return None
-        finally:
-            await sub.unsubscribe()
+        starts = [e.payload(StartWorkload) for e in await _commands(harness, s, T.START_WORKLOAD)]
+        return next((start for start in starts if start.job_id == job_id), None)
 
     found = await eventually(read, within=15)
     assert found is not None
@@ -472,24 +474,13 @@ async def test_a_job_credential_dies_with_its_allocation(
 
 
 async def _latest_renewal(harness: NatsClient, s: Subjects, allocation_id: str) -> str:
-    js = harness.jetstream()
-    sub = await js.subscribe(
-        s.command("agent", T.RENEW_CREDENTIALS),
-        stream=s.stream("COMMANDS"),
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-    )
-    latest: str | None = None
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            data = Envelope.from_bytes(msg.data).data
-            if data["allocation_id"] == allocation_id:
-                latest = data["credentials"]
-    except nats.errors.TimeoutError:
-        pass
-    finally:
-        await sub.unsubscribe()
-    assert latest is not None, "no renewal for a live allocation"
+    renewals = [
+        e.data["credentials"]
+        for e in await _commands(harness, s, T.RENEW_CREDENTIALS)
+        if e.data["allocation_id"] == allocation_id
+    ]
+    assert renewals, "no renewal for a live allocation"
+    latest: str = renewals[-1]
     return latest
 
 
