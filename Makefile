@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint typecheck bench up clean
+.PHONY: demo test test-slow lint typecheck bench up clean system-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy libs/gpusched services/gpusched
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) system-tools lint typecheck
 	$(BIN)/pytest -q
 
 test-slow: $(STAMP)
@@ -34,6 +34,17 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# Debian's prometheus for the tests that query a real Prometheus (they skip without it).
+system-tools:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's prometheus (for the tests that query a real Prometheus)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null 2>&1 \
+	      || echo "could not install prometheus: the tests that need it will be skipped"; \
+	  else \
+	    echo "prometheus is not installed (apt-get install prometheus): the tests that need it will be skipped"; \
+	  fi; }
 
 clean:
 	rm -rf $(VENV) .gpusched
