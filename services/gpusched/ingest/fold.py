@@ -99,7 +99,10 @@ class TelemetryFold:
         service: str,
         max_clock_skew_s: float,
         monotonic: Callable[[], float] = time.monotonic,
+        on_lag: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_lag`: called with each folded sample's lag in seconds (the benchmark's
+        exact percentiles; the histogram metric has buckets)."""
         self._js = js
         self._subjects = subjects
         self._settings = settings
@@ -108,6 +111,7 @@ class TelemetryFold:
         self._service = service
         self._skew = max_clock_skew_s
         self._monotonic = monotonic
+        self.on_lag = on_lag
         self.window = TelemetryWindow(settings.window_s)
         self.partitions = owned_partitions(settings.replicas, settings.replica)
         self.membership: Membership | None = None
@@ -189,7 +193,10 @@ class TelemetryFold:
             log.exception("could not fold a sample of %r", sample.node)
             return FAILING, f"{type(exc).__name__}: {exc}"
         self._counted[source, outcome].inc()
-        FOLD_LAG.observe(max(0.0, ts - at))
+        lag = max(0.0, ts - at)
+        FOLD_LAG.observe(lag)
+        if self.on_lag is not None:
+            self.on_lag(lag)
         return None
 
     def accept_samples(self, samples: Sequence[GpuSample]) -> dict[str, str]:
