@@ -1,0 +1,75 @@
+"""What the pull sources of GPU samples (dcgm-exporter scraping, Prometheus queries)
+share: the sink they hand each round to, a fixed-rate round loop, and logging that says
+once when a target's state changes instead of once per round."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from gpusched.contracts.messages import GpuSample
+
+__all__ = ["Sink", "StateLog", "run_rounds"]
+
+# A round's samples in; the nodes refused (not stored) and why out.
+Sink = Callable[[list[GpuSample]], Awaitable[dict[str, str]]]
+
+
+class StateLog:
+    """One log line per key whose state changed since the last round, none for a key
+    that stays as it was: 1,000 targets down must not mean 1,000 lines every 5 s."""
+
+    def __init__(self, log: logging.Logger, what: str, good: str = "ok") -> None:
+        self._log = log
+        self._what = what
+        self._good = good
+        self._states: dict[str, str] = {}
+
+    def note(self, key: str, state: str, detail: str = "") -> None:
+        before = self._states.get(key)
+        self._states[key] = state
+        if before == state or (before is None and state == self._good):
+            return
+        if state == self._good:
+            self._log.info("%s %s: %s again (was %s)", self._what, key, state, before)
+        else:
+            self._log.warning("%s %s: %s: %s", self._what, key, state, detail or state)
+
+    def forget_others(self, keys: set[str]) -> None:
+        """Drop targets no longer listed, so a node that comes back is logged afresh."""
+        for key in self._states.keys() - keys:
+            del self._states[key]
+
+
+async def run_rounds(
+    name: str,
+    interval_s: float,
+    one_round: Callable[[], Awaitable[object]],
+    stop: asyncio.Event,
+    log: logging.Logger,
+) -> None:
+    """Call `one_round` every `interval_s` at a fixed rate until `stop` is set.
+
+    A round is expected to bound itself within the interval; one that overran anyway
+    skips the ticks it missed rather than running back to back. A round that raises is
+    logged and the next one runs: a source's loop never dies of one bad round.
+    """
+    loop = asyncio.get_running_loop()
+    due = loop.time()
+    while not stop.is_set():
+        try:
+            await one_round()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: a round failed; the next one runs as planned", name)
+        due += interval_s
+        now = loop.time()
+        if now > due:
+            missed = int((now - due) // interval_s) + 1
+            log.warning("%s: a round overran its %.1f s; skipping %d", name, interval_s, missed)
+            due += missed * interval_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), due - now)
