@@ -1,6 +1,6 @@
 """What the pull sources of GPU samples (dcgm-exporter scraping, Prometheus queries)
-share: the sink they hand each round to, a fixed-rate round loop, and logging that says
-once when a target's state changes instead of once per round."""
+share: the sink they hand each round to, a fixed-rate round loop, a bounded body read,
+and logging that says once when a target's state changes instead of once per round."""
 
 from __future__ import annotations
 
@@ -9,12 +9,58 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+import aiohttp
+from prometheus_client import Counter
+
 from gpusched.contracts.messages import GpuSample
 
-__all__ = ["Sink", "StateLog", "run_rounds"]
+__all__ = ["BodyTooLarge", "Sink", "StateLog", "hand_over", "read_body", "run_rounds"]
 
 # A round's samples in; the nodes refused (not stored) and why out.
 Sink = Callable[[list[GpuSample]], Awaitable[dict[str, str]]]
+
+SINK_FAILURES = Counter(
+    "gpusched_ingest_pull_sink_failures_total",
+    "rounds of a pull source whose samples the sink did not take in time or raised on",
+    ["source", "reason"],
+)
+
+
+async def hand_over(
+    sink: Sink, samples: list[GpuSample], budget_s: float, source: str, log: logging.Logger
+) -> dict[str, str] | None:
+    """The sink's refusals, or None when it did not take the round within `budget_s`
+    or raised: that round's readings are lost (the next brings fresh ones), the loop
+    is not."""
+    try:
+        async with asyncio.timeout(max(budget_s, 0.0)):
+            return await sink(samples)
+    except TimeoutError:
+        SINK_FAILURES.labels(source, "timeout").inc()
+        log.warning("%s: the sink did not take %d samples in time", source, len(samples))
+    except Exception as exc:
+        SINK_FAILURES.labels(source, "error").inc()
+        log.warning("%s: the sink failed on %d samples: %r", source, len(samples), exc)
+    return None
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or BodyTooLarge as soon as it passes `limit` bytes (counted
+    after decompression, so a small gzip bomb is cut off too)."""
+    if (resp.content_length or 0) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(256 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class StateLog:

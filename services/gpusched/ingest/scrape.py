@@ -31,7 +31,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import GpuSample
 from gpusched.ingest import dcgm
-from gpusched.ingest.polling import Sink, StateLog, run_rounds
+from gpusched.ingest.polling import (
+    BodyTooLarge,
+    Sink,
+    StateLog,
+    hand_over,
+    read_body,
+    run_rounds,
+)
 
 __all__ = [
     "Outcome",
@@ -61,11 +68,6 @@ ROUND_SECONDS = Histogram(
     "gpusched_ingest_scrape_round_seconds",
     "from a round's start to its sink returning",
     buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10),
-)
-SINK_FAILURES = Counter(
-    "gpusched_ingest_scrape_sink_failures_total",
-    "rounds whose samples the sink did not take in time or raised on",
-    ["reason"],
 )
 
 
@@ -156,10 +158,6 @@ class RoundReport:
     sink_at_s: float | None
 
 
-class _Oversized(Exception):
-    pass
-
-
 class Scraper:
     """Scrapes its targets each round; hold one per process (it keeps the connection
     pool and each target's last outcome for logging on change)."""
@@ -211,17 +209,8 @@ class Scraper:
         if not samples:
             return {}, None
         budget = started + self._interval_s - time.monotonic()
-        try:
-            async with asyncio.timeout(max(budget, 0.0)):
-                refused = await self._sink(samples)
-        except TimeoutError:
-            SINK_FAILURES.labels("timeout").inc()
-            log.warning("scrape round: the sink did not take %d samples in time", len(samples))
-            return {}, None
-        except Exception as exc:
-            # The next round brings fresh readings; this one's are lost, not the loop.
-            SINK_FAILURES.labels("error").inc()
-            log.warning("scrape round: the sink failed on %d samples: %r", len(samples), exc)
+        refused = await hand_over(self._sink, samples, budget, "dcgm scrape", log)
+        if refused is None:
             return {}, None
         return refused, time.monotonic() - started
 
@@ -262,7 +251,7 @@ class Scraper:
                     status, body = await self._get(target.url)
             except TimeoutError:
                 return _Fetched(target, Outcome.TIMEOUT, f"no answer within {left:.1f} s")
-            except _Oversized:
+            except BodyTooLarge:
                 return _Fetched(
                     target, Outcome.TOO_LARGE, f"page larger than {self._max_body} bytes"
                 )
@@ -276,16 +265,7 @@ class Scraper:
         async with self._session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
                 return resp.status, b""
-            if (resp.content_length or 0) > self._max_body:
-                raise _Oversized
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.content.iter_chunked(256 * 1024):
-                size += len(chunk)
-                if size > self._max_body:
-                    raise _Oversized
-                chunks.append(chunk)
-            return resp.status, b"".join(chunks)
+            return resp.status, await read_body(resp, self._max_body)
 
     async def run(
         self, targets: Callable[[], Awaitable[Sequence[Target]]], stop: asyncio.Event
