@@ -112,6 +112,12 @@ PROMETHEUS = shutil.which("prometheus")
 class Prometheus:
     url: str
     log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def check_running(self) -> None:
+        """Fail at once, with its log, if the server has exited (e.g. a bad config)."""
+        if self.process.poll() is not None:
+            raise AssertionError(f"prometheus exited: {self.log_tail()}")
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:]
@@ -124,10 +130,11 @@ def running_prometheus(target: str, scrape_interval_s: float = 1.0) -> Iterator[
     assert PROMETHEUS is not None
     scratch = Path(tempfile.mkdtemp(prefix="gpusched-prometheus-"))
     config = scratch / "prometheus.yml"
+    every = f"{round(scrape_interval_s * 1000)}ms"  # Prometheus takes no "1.0s"
     config.write_text(
         "global:\n"
-        f"  scrape_interval: {scrape_interval_s}s\n"
-        f"  scrape_timeout: {scrape_interval_s}s\n"
+        f"  scrape_interval: {every}\n"
+        f"  scrape_timeout: {every}\n"
         "scrape_configs:\n"
         "  - job_name: dcgm\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
@@ -147,7 +154,7 @@ def running_prometheus(target: str, scrape_interval_s: float = 1.0) -> Iterator[
         stderr=subprocess.STDOUT,
     )
     try:
-        yield Prometheus(f"http://127.0.0.1:{port}", log_path)
+        yield Prometheus(f"http://127.0.0.1:{port}", log_path, process)
     finally:
         process.terminate()
         try:
