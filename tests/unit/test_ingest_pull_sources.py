@@ -133,14 +133,34 @@ def test_state_log_speaks_on_change_only(caplog: pytest.LogCaptureFixture) -> No
     caplog.set_level(logging.INFO, logger="test.statelog")
     for state in ["ok", "ok", "timeout", "timeout", "http_error", "ok", "ok"]:
         states.note("a", state, f"it is {state}")
+        states.flush()
     states.forget_others(set())
     states.note("a", "timeout", "gone")
+    states.flush()
 
     assert [r.getMessage() for r in caplog.records] == [
         "target a: timeout: it is timeout",
         "target a: http_error: it is http_error",
         "target a: ok again (was http_error)",
         "target a: timeout: gone",
+    ]
+
+
+def test_many_targets_changing_alike_share_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.statelog")
+    states = StateLog(log, "target")
+    caplog.set_level(logging.INFO, logger="test.statelog")
+    keys = [f"n{i}" for i in range(40)]
+    for state in ["timeout", "timeout", "ok"]:
+        for key in keys:
+            states.note(key, state, f"{key} is slow")
+        states.note("lone", "http_error" if state == "timeout" else "ok", "HTTP 500")
+        states.flush()
+
+    assert [r.getMessage() for r in caplog.records] == [
+        "40 targets timeout: n0, n1, n2, n3, n4 and 35 more (n0: n0 is slow)",
+        "target lone: http_error: HTTP 500",
+        "41 targets ok again: n0, n1, n2, n3, n4 and 36 more",
     ]
 
 

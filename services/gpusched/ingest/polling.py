@@ -65,23 +65,50 @@ async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 class StateLog:
     """One log line per key whose state changed since the last round, none for a key
-    that stays as it was: 1,000 targets down must not mean 1,000 lines every 5 s."""
+    that stays as it was: 1,000 targets down must not mean 1,000 lines every 5 s. When
+    many keys change alike in one round (a switch fails, a rack comes back), they share
+    one line that names a few of them and counts the rest."""
+
+    NAMED = 5  # changes to one state in a round logged one by one; more share a line
 
     def __init__(self, log: logging.Logger, what: str, good: str = "ok") -> None:
         self._log = log
         self._what = what
         self._good = good
         self._states: dict[str, str] = {}
+        self._changes: dict[str, list[tuple[str, str | None, str]]] = {}
 
     def note(self, key: str, state: str, detail: str = "") -> None:
+        """Record this round's state of `key`; `flush` logs what changed."""
         before = self._states.get(key)
         self._states[key] = state
         if before == state or (before is None and state == self._good):
             return
+        self._changes.setdefault(state, []).append((key, before, detail or state))
+
+    def flush(self) -> None:
+        for state, changes in self._changes.items():
+            if len(changes) <= self.NAMED:
+                for key, before, detail in changes:
+                    self._line(key, state, before, detail)
+                continue
+            keys = ", ".join(key for key, _, _ in changes[: self.NAMED])
+            more = f" and {len(changes) - self.NAMED} more"
+            if state == self._good:
+                self._log.info("%d %ss %s again: %s%s", len(changes), self._what, state, keys, more)
+            else:
+                first, _, detail = changes[0]
+                self._log.warning(
+                    "%d %ss %s: %s%s (%s: %s)",
+                    len(changes), self._what, state, keys, more, first, detail,
+                )  # fmt: skip
+        self._changes.clear()
+
+    def _line(self, key: str, state: str, before: str | None, detail: str) -> None:
         if state == self._good:
             self._log.info("%s %s: %s again (was %s)", self._what, key, state, before)
         else:
-            self._log.warning("%s %s: %s: %s", self._what, key, state, detail or state)
+            self._log.warning("%s %s: %s: %s", self._what, key, state, detail)
 
     def forget_others(self, keys: set[str]) -> None:
         """Drop targets no longer listed, so a node that comes back is logged afresh."""

@@ -202,9 +202,11 @@ class PrometheusSource:
         except PrometheusError as exc:
             QUERIES.labels(exc.problem).inc()
             self._state.note(self._endpoint, exc.problem, str(exc))
+            self._state.flush()
             return {}
         QUERIES.labels("ok").inc()
         self._state.note(self._endpoint, "ok")
+        self._state.flush()
         for reason, n in parsed.refused.items():
             READINGS_REFUSED.labels(reason).inc(n)
         if not parsed.samples:
