@@ -17,6 +17,7 @@ from gpusched.ingest.promql import Problem, PrometheusError, build_query, series
 from gpusched.ingest.scrape import (
     Target,
     TargetsError,
+    configured_targets,
     load_targets_file,
     parse_targets,
     targets_from_inventory,
@@ -75,6 +76,32 @@ def test_inventory_targets_name_their_node_once_each() -> None:
     ]
     with pytest.raises(TargetsError, match="must contain"):
         targets_from_inventory(["a"], "http://exporter:9400/metrics")
+
+
+async def test_configured_targets_come_from_the_file_or_the_inventory_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    listed = tmp_path / "targets.yaml"
+    listed.write_text("- {url: 'http://10.0.0.5:9400/metrics', node: gpu-5}\n")
+    nodes = ["a"]
+
+    async def inventory() -> list[str]:
+        return list(nodes)
+
+    from_file = configured_targets(IngestSettings(scrape_targets_file=listed), inventory)
+    from_inventory = configured_targets(
+        IngestSettings(scrape_url_template="http://{node}:9400/metrics"), inventory
+    )
+    assert from_file is not None and from_inventory is not None
+    assert [t.key for t in await from_file()] == ["gpu-5"]
+    nodes.append("b")
+    assert [t.url for t in await from_inventory()] == [
+        "http://a:9400/metrics",
+        "http://b:9400/metrics",
+    ]
+    assert configured_targets(IngestSettings(), inventory) is None
+    with pytest.raises(TargetsError, match="cannot read scrape targets"):
+        configured_targets(IngestSettings(scrape_targets_file=tmp_path / "none"), inventory)
 
 
 def test_the_query_keeps_gpu_and_mig_labels_and_drops_silent_series() -> None:
@@ -171,6 +198,7 @@ def test_many_targets_changing_alike_share_one_line(caplog: pytest.LogCaptureFix
         ({"prometheus_selector": '{cluster="prod"}'}, "without braces"),
         ({"scrape_interval_s": 2.0, "scrape_timeout_s": 2.0}, "shorter than scrape_interval_s"),
         ({"prometheus_interval_s": 1, "prometheus_timeout_s": 3}, "shorter than prometheus"),
+        ({"scrape_targets_file": "t.yaml", "scrape_url_template": "http://{node}/m"}, "not both"),
     ],
 )
 def test_pull_source_settings_refuse_what_cannot_work(

@@ -10,7 +10,7 @@ from datetime import time
 from decimal import Decimal
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # TlsSettings is re-exported: a section like the others, defined beside its contexts.
@@ -107,6 +107,15 @@ class IngestSettings(Section):
     prometheus_interval_s: float = Field(default=5.0, gt=0)
     prometheus_timeout_s: float = Field(default=3.0, gt=0)
     prometheus_max_age_s: float = Field(default=30.0, gt=0, description="newest sample age")
+
+    @model_validator(mode="after")
+    def _one_target_source(self) -> IngestSettings:
+        if self.scrape_targets_file is not None and self.scrape_url_template is not None:
+            raise ValueError(
+                "set scrape_targets_file or scrape_url_template, not both "
+                "(a file may name every target, inventory nodes included)"
+            )
+        return self
 
     @field_validator("scrape_url_template")
     @classmethod

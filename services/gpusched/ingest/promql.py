@@ -33,6 +33,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from gpusched.contracts.envelope import utcnow
+from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import dcgm
 from gpusched.ingest.polling import (
     BodyTooLarge,
@@ -157,6 +158,24 @@ class PrometheusSource:
         self._timeout_s = timeout_s
         self._clock = clock
         self._state = StateLog(log, "prometheus")
+
+    @classmethod
+    def from_settings(
+        cls, session: aiohttp.ClientSession, sink: Sink, settings: IngestSettings
+    ) -> PrometheusSource | None:
+        """The source the settings describe, or None without a prometheus_url."""
+        if settings.prometheus_url is None:
+            return None
+        return cls(
+            session,
+            sink,
+            url=settings.prometheus_url,
+            selector=settings.prometheus_selector,
+            node_label=settings.prometheus_node_label,
+            interval_s=settings.prometheus_interval_s,
+            timeout_s=settings.prometheus_timeout_s,
+            max_age_s=settings.prometheus_max_age_s,
+        )
 
     async def read(self) -> dcgm.Parsed:
         """The latest readings as samples, all five queries evaluated at one instant and

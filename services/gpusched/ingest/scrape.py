@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import GpuSample
+from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import dcgm
 from gpusched.ingest.polling import (
     BodyTooLarge,
@@ -46,7 +47,9 @@ __all__ = [
     "Scraper",
     "Target",
     "TargetsError",
+    "TargetsSource",
     "client_session",
+    "configured_targets",
     "load_targets_file",
     "parse_targets",
     "targets_from_inventory",
@@ -138,6 +141,32 @@ def targets_from_inventory(nodes: Iterable[str], template: str) -> list[Target]:
     return [Target(template.replace("{node}", node), node) for node in sorted(set(nodes))]
 
 
+TargetsSource = Callable[[], Awaitable[Sequence[Target]]]
+
+
+def configured_targets(
+    settings: IngestSettings, inventory_nodes: Callable[[], Awaitable[Iterable[str]]]
+) -> TargetsSource | None:
+    """What `Scraper.run` asks each round, from the settings: the targets file (read
+    now, so a bad file stops the start with its one-line error), else one target per
+    node the inventory holds at that round, else None (scraping is off)."""
+    if settings.scrape_targets_file is not None:
+        listed = load_targets_file(settings.scrape_targets_file)
+
+        async def from_file() -> Sequence[Target]:
+            return listed
+
+        return from_file
+    template = settings.scrape_url_template
+    if template is None:
+        return None
+
+    async def from_inventory() -> Sequence[Target]:
+        return targets_from_inventory(await inventory_nodes(), template)
+
+    return from_inventory
+
+
 @dataclass(frozen=True, slots=True)
 class _Fetched:
     target: Target
@@ -194,6 +223,19 @@ class Scraper:
         self._max_body = max_body_bytes
         self._clock = clock
         self._states = StateLog(log, "scrape target")
+
+    @classmethod
+    def from_settings(
+        cls, session: aiohttp.ClientSession, sink: Sink, settings: IngestSettings
+    ) -> Scraper:
+        return cls(
+            session,
+            sink,
+            interval_s=settings.scrape_interval_s,
+            timeout_s=settings.scrape_timeout_s,
+            concurrency=settings.scrape_concurrency,
+            max_body_bytes=settings.scrape_max_body_bytes,
+        )
 
     async def scrape_round(self, targets: Sequence[Target]) -> RoundReport:
         """Fetch and parse every target, then hand the samples to the sink, all within
@@ -281,9 +323,7 @@ class Scraper:
                 return resp.status, b""
             return resp.status, await read_body(resp, self._max_body)
 
-    async def run(
-        self, targets: Callable[[], Awaitable[Sequence[Target]]], stop: asyncio.Event
-    ) -> None:
+    async def run(self, targets: TargetsSource, stop: asyncio.Event) -> None:
         """Scrape every interval until `stop`; `targets` is asked afresh each round
         (the inventory changes)."""
 
