@@ -76,14 +76,12 @@ _PLAIN_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*)"')
 _PLAIN_COMMENT = re.compile(rf"# (?:HELP {_NAME} [^\"\\\\]*|TYPE {_NAME} (?:gauge|untyped))")
 
 
+# Only the five metrics are parsed: a real exporter prints dozens more per GPU.
+_WANTED = METRICS + tuple(f"# {kind} {m}" for kind in ("HELP", "TYPE") for m in METRICS)
+
+
 def _wanted_lines(text: str) -> list[str]:
-    # Only the five metrics are parsed: a real exporter prints dozens more per GPU.
-    keep = []
-    for line in text.splitlines():
-        body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
-        if body.startswith(METRICS):
-            keep.append(line)
-    return keep
+    return [line for line in text.splitlines() if line.startswith(_WANTED)]
 
 
 def _plain_series(lines: list[str]) -> list[Series] | None:
