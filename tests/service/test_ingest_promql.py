@@ -1,14 +1,17 @@
 """The Prometheus query source against a real Prometheus (Debian's `prometheus`),
-started here and scraping the recorded dcgm-exporter page over real HTTP."""
+started here and scraping the recorded dcgm-exporter page over real HTTP; and against
+servers that are away, slow or not a Prometheus at all."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from aiohttp import web
 from tests.support.dcgm import PROMETHEUS, fixture_text, http_server, running_prometheus, text
 from tests.support.waiting import eventually
 
@@ -18,10 +21,7 @@ from gpusched.infra.embedded import free_port
 from gpusched.ingest import dcgm
 from gpusched.ingest.promql import Problem, PrometheusError, PrometheusSource
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None,
-    reason="no `prometheus` on PATH (Debian: apt-get install prometheus; `make test` does)",
-)
+NO_PROMETHEUS = "no `prometheus` on PATH (Debian: apt-get install prometheus; `make test` does)"
 
 
 @dataclass
@@ -38,6 +38,8 @@ async def no_sink(samples: list[GpuSample]) -> dict[str, str]:
 async def prometheus() -> AsyncIterator[Running]:
     """One Prometheus for the module: it scrapes two exporter pages, node-a (the
     recorded one, MIG and a NaN GPU included) and node-b, every second."""
+    if PROMETHEUS is None:
+        pytest.skip(NO_PROMETHEUS)
     pages = {"/metrics": text(fixture_text() + _other_node_page())}
     async with http_server(pages) as exporter, aiohttp.ClientSession() as session:
         with running_prometheus(exporter.removeprefix("http://")) as server:
@@ -117,26 +119,42 @@ async def test_a_selector_prometheus_cannot_parse_is_a_bad_query(prometheus: Run
     assert "\n" not in str(caught.value)
 
 
-async def test_an_unreachable_prometheus_is_one_clear_error(prometheus: Running) -> None:
-    source = PrometheusSource(
-        prometheus.session, no_sink, url=f"http://127.0.0.1:{free_port()}", timeout_s=2.0
-    )
-    with pytest.raises(PrometheusError, match=r"unreachable.*check prometheus_url") as caught:
-        await source.read()
+async def test_an_unreachable_prometheus_is_one_clear_error() -> None:
+    async with aiohttp.ClientSession() as session:
+        source = PrometheusSource(
+            session, no_sink, url=f"http://127.0.0.1:{free_port()}", timeout_s=2.0
+        )
+        with pytest.raises(PrometheusError, match=r"unreachable.*check prometheus_url") as caught:
+            await source.read()
     assert caught.value.problem is Problem.UNREACHABLE
 
 
-async def test_a_server_that_is_not_prometheus_is_told_apart(prometheus: Running) -> None:
+async def test_a_prometheus_that_does_not_answer_in_time_is_a_timeout() -> None:
+    release = asyncio.Event()
+
+    async def hangs(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="{}")
+
+    async with http_server({"/api/v1/query": hangs}) as base, aiohttp.ClientSession() as s:
+        source = PrometheusSource(s, no_sink, url=base, timeout_s=0.5)
+        with pytest.raises(PrometheusError, match=r"did not answer within 0\.5 s") as caught:
+            await source.read()
+        release.set()
+    assert caught.value.problem is Problem.TIMEOUT
+
+
+async def test_a_server_that_is_not_prometheus_is_told_apart() -> None:
     routes = {
         "/api/v1/query": text("<html>login</html>", status=200),
         "/sub/api/v1/query": text(json.dumps({"status": "error", "errorType": "timeout",
                                               "error": "query timed out"}), status=503),
     }  # fmt: skip
-    async with http_server(routes) as base:
-        plain = PrometheusSource(prometheus.session, no_sink, url=base)
+    async with http_server(routes) as base, aiohttp.ClientSession() as session:
+        plain = PrometheusSource(session, no_sink, url=base)
         with pytest.raises(PrometheusError, match="without a Prometheus API answer"):
             await plain.read()
-        failing = PrometheusSource(prometheus.session, no_sink, url=f"{base}/sub/")
+        failing = PrometheusSource(session, no_sink, url=f"{base}/sub/")
         with pytest.raises(PrometheusError, match=r"could not answer.*timeout") as caught:
             await failing.read()
     assert caught.value.problem is Problem.FAILED

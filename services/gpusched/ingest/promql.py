@@ -183,9 +183,7 @@ class PrometheusSource:
         at = self._clock()
         try:
             async with asyncio.timeout(self._timeout_s):
-                answers = await asyncio.gather(
-                    *(self._query(m, q, at) for m, q in self._queries.items())
-                )
+                answers = await self._all_queries(at)
         except TimeoutError:
             raise PrometheusError(
                 Problem.TIMEOUT,
@@ -193,6 +191,16 @@ class PrometheusSource:
             ) from None
         series = [s for answer in answers for s in answer]
         return dcgm.samples_from_series(series, at, node_label=self._node_label)
+
+    async def _all_queries(self, at: datetime) -> list[list[dcgm.Series]]:
+        # A task group, not gather: the first failure cancels the other queries, so
+        # none is left running past the round.
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._query(m, q, at)) for m, q in self._queries.items()]
+        except* PrometheusError as errors:
+            raise errors.exceptions[0] from None
+        return [task.result() for task in tasks]
 
     async def _query(self, metric: str, query: str, at: datetime) -> list[dcgm.Series]:
         params = {"query": query, "time": f"{at.astimezone(UTC).timestamp():.3f}"}

@@ -249,7 +249,8 @@ class Scraper:
             for task in pending:
                 task.cancel()
             if pending:
-                await asyncio.wait(pending)
+                # Cancelled fetches unwind at once; the bound is for one that would not.
+                await asyncio.wait(pending, timeout=1.0)
             for task, target in tasks.items():
                 fetched.append(_result(task, target, done))
         samples = [s for f in fetched for s in f.samples]
