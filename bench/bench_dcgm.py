@@ -174,6 +174,8 @@ async def measure(ctx: Context, endpoints: list[tuple[str, str]]) -> list[Figure
         Figure(BENCH, "scraped_ok_min", min(r.ok for r in scraped) / len(urls), "fraction"),
         Figure(BENCH, "readings_per_round", sink.readings / len(scraped), "GPU readings"),
     ]
+    # Not a result: what else the machine ran, to read the others by.
+    figures.append(Figure(BENCH, "machine_load_1m", os.getloadavg()[0], "runnable tasks"))
     figures += [
         Figure(BENCH, f"scrape_to_sink.round{i + 1}", s.to_sink_s, "s", b.to_sink_s)
         for i, (s, b) in enumerate(zip(scraped, raw, strict=True))
