@@ -258,7 +258,7 @@ async def test_the_scrape_loop_goes_on_when_a_round_fails() -> None:
     stop = asyncio.Event()
     async with http_server({"/m": text(fixture_text())}) as base, aiohttp.ClientSession() as s:
         scraper = Scraper(
-            s, failing_sink, interval_s=0.2, timeout_s=0.1, concurrency=2, max_body_bytes=100_000
+            s, failing_sink, interval_s=0.5, timeout_s=0.4, concurrency=2, max_body_bytes=100_000
         )
 
         async def targets() -> list[Target]:
