@@ -333,8 +333,9 @@ async def test_a_node_publishes_only_its_own_telemetry(
     await node.publish(s.telemetry_gpu("shared-00"))
     await node.publish(s.telemetry_gpu("inf-00"))
     assert await node.violated(s.telemetry_gpu("inf-00"))
-    assert await stored(harness, s.stream("TELEMETRY"), s.telemetry_gpu("shared-00")) == 1
-    assert await stored(harness, s.stream("TELEMETRY"), s.telemetry_gpu("inf-00")) == 0
+    telemetry = s.stream("TELEMETRY")
+    assert await stored(harness, telemetry, s.stored_telemetry_gpu("shared-00")) == 1
+    assert await stored(harness, telemetry, s.stored_telemetry_gpu("inf-00")) == 0
     await node.nc.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -29,7 +30,8 @@ from gpusched.infra.embedded import free_port
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import IngestSettings, Settings
-from gpusched.ingest import app, handlers, store
+from gpusched.ingest import app
+from gpusched.ingest.fold import TelemetryFold
 from gpusched.ingest.polling import Sink
 from gpusched.ingest.scrape import Outcome, Scraper, Target
 
@@ -41,39 +43,44 @@ INVENTORY = InventoryLoaded(
 )
 
 
+@dataclass
+class Ingest:
+    runtime: ServiceRuntime
+    fold: TelemetryFold
+
+    def sink(self) -> Sink:
+        """The sink a test hands the scraper: the replica's fold, as the service's."""
+
+        async def sink(samples: list[GpuSample]) -> dict[str, str]:
+            return self.fold.accept_samples(samples)
+
+        return sink
+
+
 @pytest.fixture
-async def ingest(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+async def ingest(settings: Settings) -> AsyncIterator[Ingest]:
     fast = settings.model_copy(
-        update={"ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1)}
+        update={
+            "ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1, flush_interval_s=0.1)
+        }
     )
     runtime = ServiceRuntime(app.NAME, app.SCHEMA, fast, migrations_dir(app.__file__))
     await runtime.start()
-    await app.build(runtime)
+    fold = await app.build(runtime)
     task = asyncio.create_task(runtime.run())
     subject = runtime.subjects.event("admission", T.INVENTORY_LOADED)
     envelope = make_envelope(T.INVENTORY_LOADED, INVENTORY, source="test")
     await runtime.js.publish(subject, envelope.to_bytes())
 
     async def inventory_applied() -> bool:
-        async with runtime.uow() as uow:
-            return await store.node_gpus(uow, "inf-1") is not None
+        return fold.membership is not None and "inf-1" in fold.membership.nodes
 
-    await eventually(inventory_applied)
-    yield runtime
-    runtime.request_stop()
-    await asyncio.wait_for(task, 15)
-
-
-def uow_sink(rt: ServiceRuntime) -> Sink:
-    """The sink a test hands the scraper: accept_samples in one unit of work."""
-
-    async def sink(samples: list[GpuSample]) -> dict[str, str]:
-        async with rt.uow() as uow:
-            refused = await handlers.accept_samples(uow, samples)
-            await uow.commit()
-        return refused
-
-    return sink
+    try:
+        await eventually(inventory_applied)
+        yield Ingest(runtime, fold)
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)
 
 
 async def snapshot_where(rt: ServiceRuntime, reporting: dict[str, int]) -> PoolSnapshot:
@@ -102,8 +109,8 @@ def scrapes(outcome: Outcome) -> float:
     return REGISTRY.get_sample_value("gpusched_ingest_scrapes_total", {"outcome": outcome}) or 0.0
 
 
-async def test_a_round_stores_the_good_targets_and_counts_each_bad_one(
-    ingest: ServiceRuntime,
+async def test_a_round_folds_the_good_targets_and_counts_each_bad_one(
+    ingest: Ingest,
 ) -> None:
     release = asyncio.Event()
 
@@ -134,7 +141,7 @@ async def test_a_round_stores_the_good_targets_and_counts_each_bad_one(
         ]
         scraper = Scraper(
             session,
-            uow_sink(ingest),
+            ingest.sink(),
             interval_s=3.0,
             timeout_s=0.5,
             concurrency=4,
@@ -168,16 +175,14 @@ async def test_a_round_stores_the_good_targets_and_counts_each_bad_one(
         Outcome.ERROR: 0,
     }
     # Both known nodes' two GPUs (the fixture's NaN GPU 2 is refused by the parser).
-    snapshot = await snapshot_where(ingest, {"inference": 2, "shared": 2})
+    snapshot = await snapshot_where(ingest.runtime, {"inference": 2, "shared": 2})
     by_pool = {p.pool: p for p in snapshot.pools}
     assert by_pool["shared"].util == pytest.approx((0.87 + 0.5) / 2)
-    async with ingest.uow() as uow:
-        rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples WHERE node = 'stranger'")
-        assert rows.one().n == 0
+    assert "stranger" not in ingest.fold.window.node_names()
 
 
 async def test_a_target_slower_than_the_round_is_cut_off_and_the_rest_still_go(
-    ingest: ServiceRuntime,
+    ingest: Ingest,
 ) -> None:
     """More targets than slots, most of them hung past the round: the round still ends,
     hands the good page over, and counts every hung target as a timeout."""
@@ -194,7 +199,7 @@ async def test_a_target_slower_than_the_round_is_cut_off_and_the_rest_still_go(
         # fetch phase of a 2 s interval: the round's own deadline ends it.
         scraper = Scraper(
             session,
-            uow_sink(ingest),
+            ingest.sink(),
             interval_s=2.0,
             timeout_s=1.5,
             concurrency=2,
@@ -206,7 +211,7 @@ async def test_a_target_slower_than_the_round_is_cut_off_and_the_rest_still_go(
     assert report.outcomes["sh-1"] is Outcome.OK
     assert {report.outcomes[t.key] for t in hung} == {Outcome.TIMEOUT}
     assert "not scraped in the round" in {report.details[t.key] for t in hung}
-    await snapshot_where(ingest, {"inference": 0, "shared": 2})
+    await snapshot_where(ingest.runtime, {"inference": 0, "shared": 2})
 
 
 async def test_a_target_that_stays_down_is_logged_once_and_once_when_it_is_back(

@@ -4,9 +4,11 @@ snapshots out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
@@ -29,10 +31,12 @@ from gpusched.contracts.messages import (
     PoolState,
     T,
 )
+from gpusched.contracts.subjects import telemetry_partition
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import IngestSettings, Settings
 from gpusched.ingest import app
+from gpusched.ingest.fold import TelemetryFold
 
 INVENTORY = InventoryLoaded(
     nodes=[
@@ -42,18 +46,33 @@ INVENTORY = InventoryLoaded(
 )
 
 
-@pytest.fixture
-async def ingest(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+@contextlib.asynccontextmanager
+async def running_ingest(
+    settings: Settings, **ingest: Any
+) -> AsyncIterator[tuple[ServiceRuntime, TelemetryFold]]:
+    """An ingest replica on the real servers, with its telemetry fold."""
     fast = settings.model_copy(
-        update={"ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1)}
+        update={
+            "ingest": IngestSettings(
+                **{"window_s": 30.0, "snapshot_interval_s": 0.1, "flush_interval_s": 0.1} | ingest
+            )
+        }
     )
     runtime = ServiceRuntime(app.NAME, app.SCHEMA, fast, migrations_dir(app.__file__))
     await runtime.start()
-    await app.build(runtime)
+    fold = await app.build(runtime)
     task = asyncio.create_task(runtime.run())
-    yield runtime
-    runtime.request_stop()
-    await asyncio.wait_for(task, 15)
+    try:
+        yield runtime, fold
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 15)
+
+
+@pytest.fixture
+async def ingest(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    async with running_ingest(settings) as (runtime, _):
+        yield runtime
 
 
 async def publish(rt: ServiceRuntime, subject: str, message_type: str, data: BaseModel) -> None:
@@ -237,36 +256,39 @@ async def test_no_snapshot_is_emitted_while_nothing_reported(ingest: ServiceRunt
     ]
 
 
-async def test_a_sample_for_a_gpu_the_node_does_not_have_is_dead_lettered_unstored(
+async def test_a_sample_for_a_gpu_the_node_does_not_have_is_dead_lettered_unfolded(
     ingest: ServiceRuntime,
 ) -> None:
     await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
     await gpu_sample(ingest, "inf-1", {0: 0.5})
     await snapshot_where(ingest, lambda s: pools(s)["inference"].reporting_gpus == 1)
 
-    # inf-1 has two GPUs: index 5 is no GPU of it.
-    await gpu_sample(ingest, "inf-1", {5: 0.9})
+    # inf-1 has two GPUs: index 5 is no GPU of it, and the whole sample is refused.
+    await gpu_sample(ingest, "inf-1", {1: 0.1, 5: 0.9})
 
     [dead] = await stream_messages(ingest.js, ingest.subjects.dead_letter("ingest"), 1)
     assert dead.headers["Gpusched-Reason"] == "rejected"
     assert "no GPU index 5" in dead.headers["Gpusched-Error"]
-    async with ingest.uow() as uow:
-        rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples WHERE idx = 5")
-        assert rows.one().n == 0
+    await gpu_sample(ingest, "sh-1", {0: 0.2})
+    after = await snapshot_where(ingest, lambda s: pools(s)["shared"].reporting_gpus == 1)
+    assert pools(after)["inference"].reporting_gpus == 1
+    assert pools(after)["inference"].util == pytest.approx(0.5)
 
 
-async def test_bad_rows_stored_before_validation_neither_linger_nor_blind_the_snapshot(
-    ingest: ServiceRuntime,
-) -> None:
-    """Rows the edge refuses today may be in a database written by an older version: a
-    sample dated 9999 is pruned, and a service whose latest stats are not finite is set
-    aside while the other services are still reported."""
+async def test_bad_rows_neither_linger_nor_blind_the_snapshot(ingest: ServiceRuntime) -> None:
+    """Rows the edge would refuse may be in the database (written by hand, or by an
+    older version): a partial dated 9999 or not finite is set aside and pruned, and a
+    service whose latest stats are not finite is set aside while the others are still
+    reported."""
     await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
     now = utcnow()
     async with ingest.uow() as uow:
         await uow.execute(
-            "INSERT INTO ingest.samples (node, idx, time, util, mem_used_mib, mem_total_mib) "
-            "VALUES ('inf-1', 0, '9999-01-01T00:00:00Z', 0.99, 1, 2)"
+            "INSERT INTO ingest.pool_partials"
+            " (partition, pool, util_sum, reporting, updated, version) "
+            "VALUES (90, 'inference', 0.99, 1, '9999-01-01T00:00:00Z', 1),"
+            " (91, 'inference', 'NaN', 1, :t, 1), (92, 'inference', 5.0, 1, :t, 1)",
+            {"t": now},
         )
         await uow.execute(
             "INSERT INTO ingest.service_stats "
@@ -281,63 +303,161 @@ async def test_bad_rows_stored_before_validation_neither_linger_nor_blind_the_sn
     assert [s.service for s in snapshot.services] == ["chat"]
     assert pools(snapshot)["inference"].reporting_gpus == 0
     async with ingest.uow() as uow:
-        rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
+        rows = await uow.execute(
+            "SELECT count(*) AS n FROM ingest.pool_partials WHERE partition = 90"
+        )
         assert rows.one().n == 0
 
 
-async def test_a_sample_from_a_node_outside_the_inventory_is_retried_then_dead_lettered(
+async def test_a_node_outside_the_inventory_is_dead_lettered_after_its_grace_once_a_minute(
     settings: Settings,
 ) -> None:
-    quick = settings.model_copy(
-        update={
-            "ingest": IngestSettings(window_s=30.0, snapshot_interval_s=0.1),
-            "bus": settings.bus.model_copy(update={"max_deliver": 2, "nak_delay_s": 0.1}),
-        }
-    )
-    runtime = ServiceRuntime(app.NAME, app.SCHEMA, quick, migrations_dir(app.__file__))
-    await runtime.start()
-    await app.build(runtime)
-    task = asyncio.create_task(runtime.run())
-    try:
+    async with running_ingest(settings, unknown_node_grace_s=0.5) as (runtime, fold):
         await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
-        await gpu_sample(runtime, "stranger", {0: 0.9})
+        for _ in range(4):
+            await gpu_sample(runtime, "stranger", {0: 0.9})
+            await asyncio.sleep(0.3)
+        await gpu_sample(runtime, "sh-1", {0: 0.4})
 
         [dead] = await stream_messages(runtime.js, runtime.subjects.dead_letter("ingest"), 1)
-        assert dead.headers["Gpusched-Original-Subject"] == runtime.subjects.telemetry_gpu(
-            "stranger"
-        )
+        assert dead.headers["Gpusched-Reason"] == "unknown_node"
+        assert dead.headers["Gpusched-Original-Subject"].endswith(".stranger")
         assert "not in the inventory" in dead.headers["Gpusched-Error"]
-        async with runtime.uow() as uow:
-            rows = await uow.execute("SELECT count(*) AS n FROM ingest.samples")
-            assert rows.one().n == 0
-    finally:
-        runtime.request_stop()
-        await asyncio.wait_for(task, 15)
+        snapshot = await snapshot_where(runtime, lambda s: pools(s)["shared"].reporting_gpus == 1)
+        assert pools(snapshot)["inference"].reporting_gpus == 0
+        assert "stranger" not in fold.window.node_names()
+        # Four refusals, one dead letter: the rest are counted, not sent.
+        info = await runtime.js.stream_info(runtime.subjects.stream("DLQ"))
+        assert info.state.messages == 1
 
 
 async def test_scraped_dcgm_readings_take_the_bus_samples_path_into_the_snapshot(
-    ingest: ServiceRuntime,
+    settings: Settings,
 ) -> None:
-    """Exporter text parsed by ingest.dcgm and stored through accept_samples: a known
-    node lands in the snapshot, an unknown one is refused, not stored."""
+    """Exporter text parsed by ingest.dcgm and folded through the scrape sink: a known
+    node lands in the snapshot, an unknown one is refused at once, not folded."""
     from pathlib import Path
 
-    from gpusched.ingest import dcgm, handlers
+    from gpusched.ingest import dcgm
 
     text = (Path(__file__).parents[1] / "unit" / "data" / "dcgm-exporter.txt").read_text()
     series = dcgm.parse_exporter_text(text)
-    known = dcgm.samples_from_series(series, utcnow(), node="sh-1").samples
-    stranger = dcgm.samples_from_series(series, utcnow()).samples  # Hostname node-a
-    await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
-    for _ in range(50):
-        async with ingest.uow() as uow:
-            if await handlers.store.node_gpus(uow, "sh-1") is not None:
+    async with running_ingest(settings) as (runtime, fold):
+        await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
+        for _ in range(100):
+            if fold.membership is not None and "sh-1" in fold.membership.nodes:
                 break
-        await asyncio.sleep(0.1)
-    async with ingest.uow() as uow:
-        refused = await handlers.accept_samples(uow, known + stranger)
-        await uow.commit()
+            await asyncio.sleep(0.1)
+        known = dcgm.samples_from_series(series, utcnow(), node="sh-1").samples
+        stranger = dcgm.samples_from_series(series, utcnow()).samples  # Hostname node-a
+        refused = fold.accept_samples(known + stranger)
 
-    assert list(refused) == ["node-a"]
+        assert list(refused) == ["node-a"]
+        snapshot = await snapshot_where(runtime, lambda s: pools(s)["shared"].reporting_gpus == 2)
+        assert pools(snapshot)["shared"].util == pytest.approx((0.87 + 0.5) / 2)
+
+
+async def test_the_stream_stores_each_node_under_the_partition_ingest_computes(
+    ingest: ServiceRuntime,
+) -> None:
+    """The TELEMETRY stream's subject transform and telemetry_partition agree, so a
+    scraped sample lands in the share of the replica that owns its node."""
+    nodes = [f"node-{i}" for i in range(40)]
+    for node in nodes:
+        await gpu_sample(ingest, node, {0: 0.5})
+    prefix = ingest.subjects.prefix
+    stored = await stream_messages(ingest.js, f"{prefix}.telemetry.gpu.*.*", len(nodes))
+    partitions = {m.subject.split(".")[4]: int(m.subject.split(".")[3]) for m in stored}
+    assert partitions == {node: telemetry_partition(node) for node in nodes}
+    assert {m.subject for m in stored} == {ingest.subjects.stored_telemetry_gpu(n) for n in nodes}
+    assert len(set(partitions.values())) > 8  # the nodes spread over the partitions
+
+
+async def test_a_second_sample_with_the_same_node_and_time_is_a_duplicate(
+    ingest: ServiceRuntime,
+) -> None:
+    await admission_event(ingest, T.INVENTORY_LOADED, INVENTORY)
+    at = utcnow()
+    await gpu_sample(ingest, "sh-1", {0: 0.2}, at)
+    await gpu_sample(ingest, "sh-1", {0: 1.0}, at)  # a replayed publish, another message id
+    await gpu_sample(ingest, "sh-1", {1: 0.6}, at + timedelta(milliseconds=1))
+
     snapshot = await snapshot_where(ingest, lambda s: pools(s)["shared"].reporting_gpus == 2)
-    assert pools(snapshot)["shared"].util == pytest.approx((0.87 + 0.5) / 2)
+    assert pools(snapshot)["shared"].util == pytest.approx((0.2 + 0.6) / 2)
+
+
+async def test_a_restarted_replica_rebuilds_its_window_from_the_stream(settings: Settings) -> None:
+    async with running_ingest(settings) as (runtime, _):
+        await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
+        await gpu_sample(runtime, "inf-1", {0: 0.9, 1: 0.3})
+        await gpu_sample(runtime, "sh-1", {0: 0.4})
+        await snapshot_where(runtime, lambda s: sum(p.reporting_gpus for p in s.pools) == 3)
+
+    restarted = utcnow()
+    async with running_ingest(settings) as (runtime, fold):
+        # No new sample: the new process folds the stream's last window again.
+        async def shares() -> dict[str, tuple[int, float]]:
+            async with runtime.uow() as uow:
+                rows = await uow.execute(
+                    "SELECT pool, sum(util_sum) AS u, sum(reporting) AS n "
+                    "FROM ingest.pool_partials WHERE updated > :t GROUP BY pool ORDER BY pool",
+                    {"t": restarted},
+                )
+                return {r.pool: (r.n, round(r.u, 6)) for r in rows}
+
+        rebuilt = {"inference": (2, 1.2), "shared": (1, 0.4)}
+        for _ in range(100):
+            if await shares() == rebuilt:
+                break
+            await asyncio.sleep(0.1)
+        assert await shares() == rebuilt
+        assert len(fold.window) == 2
+
+
+NODES_OF_TWO = InventoryLoaded(
+    nodes=[
+        InventoryNode(name=f"n{i}", pool="shared", gpu_model="A100-80GB", gpus=8) for i in range(24)
+    ]
+)
+
+
+async def test_two_replicas_split_the_nodes_and_the_pool_is_their_sum(settings: Settings) -> None:
+    """Replica 0 and 1 of 2 fold the even and odd partitions; the snapshot (made by
+    either) sums both shares; when one stops, its GPUs count as silent after a window."""
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = [
+            await stack.enter_async_context(
+                running_ingest(settings, replicas=2, replica=i, window_s=4.0)
+            )
+            for i in range(2)
+        ]
+        rt0, fold0 = replicas[0]
+        rt1, fold1 = replicas[1]
+        await admission_event(rt0, T.INVENTORY_LOADED, NODES_OF_TWO)
+
+        async def report() -> None:
+            while True:
+                for i in range(24):
+                    await gpu_sample(rt0, f"n{i}", {g: 0.5 for g in range(8)})
+                await asyncio.sleep(0.5)
+
+        reporting = asyncio.create_task(report())
+        stack.callback(reporting.cancel)
+        full = await snapshot_where(rt0, lambda s: pools(s)["shared"].reporting_gpus == 192)
+        assert pools(full)["shared"].util == pytest.approx(0.5)
+
+        assert fold0.partitions == tuple(range(0, 16, 2))
+        assert fold1.partitions == tuple(range(1, 16, 2))
+        held = [fold0.window.node_names(), fold1.window.node_names()]
+        assert held[0] | held[1] == {f"n{i}" for i in range(24)}
+        assert not held[0] & held[1]
+        for names, fold in zip(held, (fold0, fold1), strict=True):
+            assert names and {telemetry_partition(n) for n in names} <= set(fold.partitions)
+
+        # Replica 1 stops: its share ages out of the window, replica 0's stays.
+        rt1.request_stop()
+        left = 8 * len(held[0])
+        alone = await snapshot_where(
+            rt0, lambda s: pools(s)["shared"].reporting_gpus == left, within=30
+        )
+        assert pools(alone)["shared"].gpus == 192

@@ -63,7 +63,15 @@ def grants() -> dict[str, ServiceGrant]:
         ),
         "ingest": ServiceGrant(
             publishes=("evt.ingest.>",),
-            consumers=(c("TELEMETRY", "ingest-telemetry"), c("EVENTS", "ingest-admission")),
+            consumers=(c("TELEMETRY", "ingest-inference"), c("EVENTS", "ingest-admission")),
+            # Each replica reads its GPU telemetry partitions through a consumer of its
+            # own, created at start (no acks: the window is rebuilt from the stream).
+            js_api=(
+                "CONSUMER.CREATE.{TELEMETRY}.*",
+                "CONSUMER.INFO.{TELEMETRY}.*",
+                "CONSUMER.MSG.NEXT.{TELEMETRY}.*",
+                "CONSUMER.DELETE.{TELEMETRY}.*",
+            ),
         ),
         "preemption": ServiceGrant(
             publishes=("evt.preemption.>", "cmd.admission.>", "cmd.checkpoint.>"),

@@ -3,6 +3,11 @@
 Public (stable) subjects: `<p>.jobs.<job_id>.control|events`, `<p>.telemetry.gpu.<node>`,
 `<p>.telemetry.inference.<service>`, `<p>.audit.<action>`, `<p>.api.jobs.submit|get`.
 Internal subjects (`<p>.evt.*`, `<p>.cmd.*`) may change between versions.
+
+The TELEMETRY stream stores a GPU sample published on `<p>.telemetry.gpu.<node>` as
+`<p>.telemetry.gpu.<partition>.<node>` (a subject transform of the stream, so publishers
+keep the public subject): the partition, a hash of the node name, lets ingest replicas
+split the nodes between them with filtered consumers (docs/ingest.md).
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import re
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+# Fixed for the life of a stream: it is part of every stored telemetry subject.
+TELEMETRY_PARTITIONS = 16
 
 
 def check_token(value: str, what: str) -> str:
@@ -23,12 +31,23 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+def telemetry_partition(node: str) -> int:
+    """The partition the stream's transform stores a node's samples under: nats-server's
+    `partition()` mapping, the FNV-1a (32-bit) hash of the node token modulo the count."""
+    h = 0x811C9DC5
+    for byte in node.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h % TELEMETRY_PARTITIONS
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     max_age_s: float = 0.0  # 0 = keep until limits
     duplicate_window_s: float = 120.0
+    # (source, destination) of the stream's subject transform, if it has one.
+    transform: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,17 @@ class Subjects:
     @property
     def all_gpu_telemetry(self) -> str:
         return f"{self.prefix}.telemetry.gpu.*"
+
+    def stored_telemetry_gpu(self, node: str) -> str:
+        """The subject the TELEMETRY stream stores a node's samples under."""
+        partition = telemetry_partition(check_token(node, "node name"))
+        return f"{self.prefix}.telemetry.gpu.{partition}.{node}"
+
+    def gpu_telemetry_partition(self, partition: int) -> str:
+        """The stored subjects of one telemetry partition (what a replica filters on)."""
+        if not 0 <= partition < TELEMETRY_PARTITIONS:
+            raise ValueError(f"partition {partition}: there are {TELEMETRY_PARTITIONS} (0-15)")
+        return f"{self.prefix}.telemetry.gpu.{partition}.*"
 
     @property
     def all_inference_telemetry(self) -> str:
@@ -134,7 +164,15 @@ class Subjects:
         day = 24 * 3600.0
         return (
             StreamSpec(self.stream("JOBS"), (f"{p}.jobs.>",), max_age_s=30 * day),
-            StreamSpec(self.stream("TELEMETRY"), (f"{p}.telemetry.>",), max_age_s=3600.0),
+            StreamSpec(
+                self.stream("TELEMETRY"),
+                (f"{p}.telemetry.>",),
+                max_age_s=3600.0,
+                transform=(
+                    f"{p}.telemetry.gpu.*",
+                    f"{p}.telemetry.gpu.{{{{partition({TELEMETRY_PARTITIONS},1)}}}}.{{{{wildcard(1)}}}}",
+                ),
+            ),
             StreamSpec(self.stream("EVENTS"), (f"{p}.evt.>",), max_age_s=30 * day),
             StreamSpec(self.stream("COMMANDS"), (f"{p}.cmd.>",), max_age_s=7 * day),
             StreamSpec(self.audit_stream, (f"{p}.audit.>",), max_age_s=365 * day),

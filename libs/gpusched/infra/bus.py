@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig, SubjectTransform
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
@@ -123,21 +123,25 @@ async def ensure_streams(
     info but only the installer (`gpusched up`/`migrate`) may create or change a stream,
     so a service never needs the permission unless the streams are missing or stale."""
     for spec in specs:
+        transform = None if spec.transform is None else SubjectTransform(*spec.transform)
         config = StreamConfig(
             name=spec.name,
             subjects=list(spec.subjects),
             max_age=spec.max_age_s or None,
             duplicate_window=spec.duplicate_window_s,
             num_replicas=replicas,
+            subject_transform=transform,
         )
         try:
             info = await js.stream_info(spec.name)
             have = info.config
+            had = have.subject_transform
             if (
                 sorted(have.subjects or []) == sorted(spec.subjects)
                 and (have.max_age or None) == config.max_age
                 and have.duplicate_window == config.duplicate_window
                 and (have.num_replicas or 1) == replicas
+                and (None if had is None else (had.src, had.dest)) == spec.transform
             ):
                 continue
             await js.update_stream(config)
@@ -189,9 +193,14 @@ class DeadLetters:
         self._subjects = subjects
         self._service = service
 
-    async def send(self, msg: Msg, consumer: str, reason: str, error: str) -> None:
+    async def send(
+        self, msg: Msg, consumer: str, reason: str, error: str, *, subject: str | None = None
+    ) -> None:
+        """`subject`: the subject the message was published on, where the stream stores
+        it under another (a subject transform); `msg.subject` otherwise."""
+        subject = msg.subject if subject is None else subject
         headers = {
-            "Gpusched-Original-Subject": printable(msg.subject, 500),
+            "Gpusched-Original-Subject": printable(subject, 500),
             "Gpusched-Consumer": consumer,
             "Gpusched-Reason": reason,
             "Gpusched-Error": printable(error, 500),
@@ -209,7 +218,7 @@ class DeadLetters:
             action="message.dead_lettered",
             actor=self._service,
             # Subject and error may carry what the edge refused: escaped, bounded.
-            entity=printable(msg.subject, 200),
+            entity=printable(subject, 200),
             reason=printable(f"{reason}: {error}", 1000),
             details={"consumer": consumer, "bytes": len(msg.data)},
             time=utcnow(),
@@ -227,7 +236,7 @@ class DeadLetters:
             timeout=PUBLISH_TIMEOUT_S,
         )
         metrics.DEAD_LETTERS.labels(self._service, reason).inc()
-        log.warning("dead-lettered message on %s (%s): %s", msg.subject, reason, error)
+        log.warning("dead-lettered message on %s (%s): %s", subject, reason, error)
 
 
 def _dead_letter_id(msg: Msg, service: str, consumer: str) -> str | None:

@@ -13,9 +13,10 @@ import gc
 import logging
 import signal
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -34,6 +35,8 @@ from gpusched.infra.settings import Settings
 log = logging.getLogger(__name__)
 
 Tick = Callable[[], Awaitable[None]]
+# A task that runs for the life of the service and returns once the event is set.
+Background = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ServiceRuntime:
     _endpoints: list[tuple[str, bus.RequestHandler]] = field(default_factory=list, init=False)
     _loops: list[_Loop] = field(default_factory=list, init=False)
     _on_close: list[Tick] = field(default_factory=list, init=False)
+    _background: list[tuple[str, Background]] = field(default_factory=list, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
     _relay: OutboxRelay | None = field(default=None, init=False)
     _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -108,6 +112,11 @@ class ServiceRuntime:
         auth_dir = self.settings.security.auth_dir
         return None if auth_dir is None else auth_dir / "creds" / f"{self.name}.creds"
 
+    @property
+    def dead_letters(self) -> bus.DeadLetters:
+        """Where this service's unusable messages go (with an audit record each)."""
+        return self._dead_letters
+
     def consume(self, consumer: bus.Consumer) -> None:
         b = self.settings.bus
         self._consumers.append(
@@ -132,6 +141,11 @@ class ServiceRuntime:
     def every(self, name: str, interval_s: float, tick: Tick, *, singleton: bool = False) -> None:
         """Run `tick` periodically; a singleton loop runs only on the elected leader."""
         self._loops.append(_Loop(name, interval_s, tick, singleton))
+
+    def background(self, name: str, run: Background) -> None:
+        """Run `run(stopping)` while the service runs (e.g. ingest's telemetry fold, which
+        reads the stream without acks); it must return soon after `stopping` is set."""
+        self._background.append((name, run))
 
     def on_close(self, callback: Tick) -> None:
         """Run `callback` when the service stops, after it stops taking messages and
@@ -178,6 +192,8 @@ class ServiceRuntime:
             )
         for spec in self._loops:
             self._tasks.append(asyncio.create_task(self._run_loop(spec), name=spec.name))
+        for name, run in self._background:
+            self._tasks.append(asyncio.create_task(run(self._stop), name=name))
         log.info("%s running", self.name)
         stop_wait = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop_wait, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -242,7 +258,7 @@ class ServiceRuntime:
 
 
 def run_service(
-    runtime: ServiceRuntime, build: Callable[[ServiceRuntime], Awaitable[None]]
+    runtime: ServiceRuntime, build: Callable[[ServiceRuntime], Awaitable[object]]
 ) -> None:
     """Entry point of a service process."""
     logging.basicConfig(

@@ -92,6 +92,20 @@ class IngestSettings(Section):
     window_s: float = Field(default=30.0, gt=0)
     snapshot_interval_s: float = Field(default=2.0, gt=0)
     stale_after_s: float = Field(default=60.0, gt=0)
+    # Horizontal scale (docs/ingest.md): replica i of n folds the telemetry partitions
+    # p with p % n == i; every replica must be given the same n.
+    replicas: int = Field(default=1, ge=1, le=16, description="ingest replicas in all")
+    replica: int = Field(default=0, ge=0, le=15, description="this replica's number, 0..n-1")
+    flush_interval_s: float = Field(
+        default=1.0, gt=0, description="how often a replica writes its pool aggregates"
+    )
+    fetch_batch: int = Field(default=1000, ge=1, le=10_000)
+    unknown_node_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="how long a node outside the inventory may report before it is refused",
+    )
+
     # dcgm-exporter scraping (docs/dcgm-input.md): targets from a file, or one per
     # inventory node from a URL template such as http://{node}:9400/metrics.
     scrape_targets_file: Path | None = None
@@ -107,6 +121,14 @@ class IngestSettings(Section):
     prometheus_interval_s: float = Field(default=5.0, gt=0)
     prometheus_timeout_s: float = Field(default=3.0, gt=0)
     prometheus_max_age_s: float = Field(default=30.0, gt=0, description="newest sample age")
+
+    @field_validator("replica")
+    @classmethod
+    def _replica_within(cls, v: int, info: ValidationInfo) -> int:
+        replicas = info.data.get("replicas", 1)
+        if v >= replicas:
+            raise ValueError(f"replica {v} of {replicas}: number the replicas 0..{replicas - 1}")
+        return v
 
     @model_validator(mode="after")
     def _one_target_source(self) -> IngestSettings:

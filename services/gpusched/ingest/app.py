@@ -9,22 +9,41 @@ from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
 from gpusched.ingest import handlers
+from gpusched.ingest.fold import TelemetryFold
 
 NAME = handlers.NAME
 SCHEMA = "ingest"
 
 
-async def build(rt: ServiceRuntime) -> None:
+async def build(rt: ServiceRuntime) -> TelemetryFold:
+    """Wire ingest into `rt`; returns the telemetry fold (its window, its scrape sink)."""
     s = rt.subjects
+    settings = rt.settings.ingest
+    # GPU telemetry: this replica's partitions, folded in memory (docs/ingest.md).
+    fold = TelemetryFold(
+        rt.js,
+        s,
+        settings,
+        rt.dead_letters,
+        rt.uow,
+        service=NAME,
+        max_clock_skew_s=rt.settings.bus.max_clock_skew_s,
+    )
+    rt.background("telemetry-fold", fold.run)
+
+    async def flush_tick() -> None:
+        async with rt.uow() as uow:
+            await fold.flush(uow, utcnow())
+            await uow.commit()
+
+    rt.every("telemetry-flush", settings.flush_interval_s, flush_tick)
+    # Inference stats: a few messages a second per service, applied one at a time.
     rt.consume(
         bus.Consumer(
-            durable="ingest-telemetry",
+            durable="ingest-inference",
             stream=s.stream("TELEMETRY"),
-            subjects=[s.all_gpu_telemetry, s.all_inference_telemetry],
-            handlers={
-                T.GPU_SAMPLE: handlers.on_gpu_sample,
-                T.INFERENCE_STATS: handlers.on_inference_stats,
-            },
+            subjects=[s.all_inference_telemetry],
+            handlers={T.INFERENCE_STATS: handlers.on_inference_stats},
         )
     )
     # One consumer for all ledger events keeps them in admission's order.
@@ -42,7 +61,6 @@ async def build(rt: ServiceRuntime) -> None:
             },
         )
     )
-    settings = rt.settings.ingest
 
     async def snapshot_tick() -> None:
         async with rt.uow() as uow:
@@ -52,6 +70,7 @@ async def build(rt: ServiceRuntime) -> None:
             await uow.commit()
 
     rt.every("pool-snapshot", settings.snapshot_interval_s, snapshot_tick, singleton=True)
+    return fold
 
 
 def main() -> None:

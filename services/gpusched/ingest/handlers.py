@@ -1,4 +1,8 @@
-"""Ingest's service layer: telemetry in, pool membership from the ledger, snapshots out."""
+"""Ingest's service layer: pool membership from the ledger, inference stats, snapshots out.
+
+GPU telemetry is folded in memory by fold.TelemetryFold (docs/ingest.md); what reaches
+the database from it is each replica's share of every pool, which the snapshot sums.
+"""
 
 from __future__ import annotations
 
@@ -41,10 +45,13 @@ SET_ASIDE = Counter(
 )
 
 
+# After a membership change, how many replica flushes a snapshot waits for at most.
+MEMBERSHIP_SETTLE_FLUSHES = 3
+
+
 class UnknownNode(Exception):
-    """A sample from a node the inventory does not (yet) hold. Not Rejected: the
-    inventory event may simply not have been applied yet, so it is retried, and
-    dead-lettered once its redeliveries are spent."""
+    """A sample from a node the inventory does not (yet) hold. Not Rejected at once: the
+    inventory event may simply not have reached this replica yet (docs/ingest.md)."""
 
 
 # --- telemetry ----------------------------------------------------------------------------
@@ -60,27 +67,6 @@ def check_sample(sample: GpuSample, gpus: int | None) -> None:
         )
 
 
-async def on_gpu_sample(envelope: Envelope, uow: UnitOfWork) -> None:
-    sample = envelope.payload(GpuSample)
-    check_sample(sample, await store.node_gpus(uow, sample.node))
-    await store.add_gpu_sample(uow, sample)
-
-
-async def accept_samples(uow: UnitOfWork, samples: list[GpuSample]) -> dict[str, str]:
-    """Store the samples of a scrape round (not the bus) through the same check as
-    `on_gpu_sample`; returns the refused nodes and why. A scrape is not redelivered,
-    so an unknown node is refused at once rather than retried."""
-    refused: dict[str, str] = {}
-    for sample in samples:
-        try:
-            check_sample(sample, await store.node_gpus(uow, sample.node))
-        except (UnknownNode, Rejected) as exc:
-            refused[sample.node] = str(exc)
-            continue
-        await store.add_gpu_sample(uow, sample)
-    return refused
-
-
 async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:
     await store.add_service_stats(uow, envelope.payload(InferenceStats))
 
@@ -89,6 +75,7 @@ async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:
 async def on_inventory_loaded(envelope: Envelope, uow: UnitOfWork) -> None:
     inventory = envelope.payload(InventoryLoaded)
     await store.load_inventory(uow, inventory.nodes)
+    await store.membership_changed(uow)
 
 
 async def on_inventory_changed(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -97,6 +84,9 @@ async def on_inventory_changed(envelope: Envelope, uow: UnitOfWork) -> None:
         await store.add_node(uow, changed.node)
     elif changed.change in (NodeChange.FAILED, NodeChange.REMOVED):
         await store.remove_node(uow, changed.node.name, forget=changed.change is NodeChange.REMOVED)
+    else:
+        return
+    await store.membership_changed(uow)
 
 
 async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:
@@ -104,6 +94,7 @@ async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:
     # `pending` last: a GPU listed in both is lent but still held by training.
     known = await store.mark_lent(uow, reserved.reservation_id, reserved.gpus, pending=False)
     known |= await store.mark_lent(uow, reserved.reservation_id, reserved.pending, pending=True)
+    await store.membership_changed(uow)
     unknown = {GpuRef(g.node, g.index) for g in (*reserved.gpus, *reserved.pending)} - known
     if unknown:
         # Not refused: the rest of the reservation still moves GPUs between pools.
@@ -116,10 +107,12 @@ async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:
 
 async def on_allocation_released(envelope: Envelope, uow: UnitOfWork) -> None:
     await store.clear_pending(uow, envelope.payload(AllocationReleased).gpus)
+    await store.membership_changed(uow)
 
 
 async def on_gpus_returned(envelope: Envelope, uow: UnitOfWork) -> None:
     await store.mark_returned(uow, envelope.payload(GpusReturned).gpus)
+    await store.membership_changed(uow)
 
 
 # --- the snapshot loop --------------------------------------------------------------------
@@ -129,23 +122,33 @@ async def publish_snapshot(
     now: datetime,
     max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
 ) -> PoolSnapshot | None:
-    """Prune what left the window, roll up what is in it, emit one pool snapshot.
+    """Prune what left the window, sum the replicas' partials, emit one pool snapshot.
 
     Nothing is emitted while no GPU and no service reported: an empty snapshot would
-    read as an idle cluster. A reading or a service that cannot be used (a value the
-    edge would refuse today, e.g. a row stored before it did) is set aside, logged and
-    counted: one bad row or service never blinds the controller.
+    read as an idle cluster. A partial or a service that cannot be used (a value the
+    edge would refuse, e.g. a row written by hand) is set aside, logged and counted:
+    one bad row or service never blinds the controller.
     """
-    since = rollup.window_start(now, settings.window_s)
+    # A replica's share counts while it is inside the window: one that stopped (killed,
+    # partitioned away) leaves its GPUs reporting for at most a window, as their last
+    # samples would, then they count as silent.
+    since = now - timedelta(seconds=settings.window_s)
     stale = now - timedelta(seconds=max(settings.window_s, settings.stale_after_s))
     future = now + timedelta(seconds=max_clock_skew_s)
-    await store.prune(uow, samples_before=since, stats_before=stale, after=future)
-    readings, bad_readings = rollup.usable_readings(await store.readings_since(uow, since))
-    if bad_readings:
-        SET_ASIDE.labels("gpu_reading").inc(bad_readings)
-        log.warning("set aside %d unusable GPU readings", bad_readings)
-    means = rollup.gpu_means(readings, now, settings.window_s)
-    pools = rollup.pool_utilization(await store.members(uow), means)
+    await store.prune(uow, before=stale, after=future)
+    fresh, versions = await store.fresh_partials(uow, since=since, until=future)
+    version, changed_s_ago = await store.membership_age(uow)
+    if versions - {version} and changed_s_ago < MEMBERSHIP_SETTLE_FLUSHES * (
+        settings.flush_interval_s
+    ):
+        # The pools just changed and some replica has not folded against it yet: its
+        # share would count GPUs in their old pools. Its next flush is due in a moment.
+        return None
+    partials, bad_partials = rollup.usable_partials(fresh)
+    if bad_partials:
+        SET_ASIDE.labels("pool_partial").inc(bad_partials)
+        log.warning("set aside %d unusable pool partials", bad_partials)
+    pools = rollup.pool_utilization(await store.pool_sizes(uow), partials)
     services = rollup.live_services(
         await store.latest_service_stats(uow), now, settings.stale_after_s
     )

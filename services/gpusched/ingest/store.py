@@ -1,4 +1,4 @@
-"""Ingest's SQL on its own schema: pool membership, samples and service stats."""
+"""Ingest's SQL on its own schema: pool membership, pool partials and service stats."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from gpusched.contracts.messages import GpuRef as WireGpuRef
-from gpusched.contracts.messages import GpuSample, InferenceStats, InventoryNode
-from gpusched.domain.inventory import GpuRef
+from gpusched.contracts.messages import InferenceStats, InventoryNode
+from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.infra.db import UnitOfWork
-from gpusched.ingest.rollup import GpuMember, Reading, ServiceReading
+from gpusched.ingest.rollup import GpuMember, ServiceReading, membership
+from gpusched.ingest.window import Membership, Partial
 
 
 def _refs(gpus: Iterable[WireGpuRef]) -> tuple[list[str], list[int]]:
@@ -71,15 +72,6 @@ async def remove_node(uow: UnitOfWork, name: str, *, forget: bool) -> None:
         await uow.execute(f"DELETE FROM {uow.schema}.nodes WHERE name = :node", {"node": name})
 
 
-async def node_gpus(uow: UnitOfWork, name: str) -> int | None:
-    """How many GPUs a node of the inventory has (None: not in the inventory)."""
-    rows = await uow.execute(
-        f"SELECT gpus FROM {uow.schema}.nodes WHERE name = :node", {"node": name}
-    )
-    row = rows.first()
-    return None if row is None else int(row.gpus)
-
-
 async def mark_lent(
     uow: UnitOfWork, reservation_id: str, gpus: Iterable[WireGpuRef], pending: bool
 ) -> set[GpuRef]:
@@ -116,31 +108,92 @@ async def mark_returned(uow: UnitOfWork, gpus: Iterable[WireGpuRef]) -> None:
     )
 
 
-async def members(uow: UnitOfWork) -> list[GpuMember]:
-    rows = await uow.execute(f"SELECT node, idx, pool, lent, pending FROM {uow.schema}.gpu_pool")
-    return [GpuMember(GpuRef(r.node, r.idx), r.pool, r.lent, r.pending) for r in rows]
-
-
-# --- telemetry --------------------------------------------------------------------------
-async def add_gpu_sample(uow: UnitOfWork, sample: GpuSample) -> None:
-    if not sample.gpus:
-        return
-    # One statement per node sample, however many GPUs it carries: telemetry is the
-    # highest-volume input of the system.
+async def membership_changed(uow: UnitOfWork) -> None:
+    """Every change of the membership bumps its version, in the same transaction, so
+    each replica reloads it at its next flush (docs/ingest.md)."""
     await uow.execute(
-        f"INSERT INTO {uow.schema}.samples (node, idx, time, util, mem_used_mib, mem_total_mib) "
-        "SELECT :node, r.idx, :time, r.util, r.used, r.total FROM unnest("
-        " CAST(:idx AS int[]), CAST(:util AS float8[]),"
-        " CAST(:used AS bigint[]), CAST(:total AS bigint[])) AS r(idx, util, used, total)",
+        f"UPDATE {uow.schema}.membership_version SET version = version + 1, changed = now()"
+    )
+
+
+async def membership_version(uow: UnitOfWork) -> int:
+    rows = await uow.execute(f"SELECT version FROM {uow.schema}.membership_version")
+    return int(rows.one().version)
+
+
+async def membership_age(uow: UnitOfWork) -> tuple[int, float]:
+    """The membership's version and how many seconds ago it changed (database clock)."""
+    rows = await uow.execute(
+        "SELECT version, extract(epoch FROM now() - changed) AS age "
+        f"FROM {uow.schema}.membership_version"
+    )
+    row = rows.one()
+    return int(row.version), float(row.age)
+
+
+async def load_membership(uow: UnitOfWork) -> Membership:
+    """The whole membership, as of one version."""
+    version = await membership_version(uow)
+    nodes = await uow.execute(f"SELECT name, gpus FROM {uow.schema}.nodes")
+    gpus = await uow.execute(f"SELECT node, idx, pool, lent, pending FROM {uow.schema}.gpu_pool")
+    return membership(
+        version,
+        {r.name: int(r.gpus) for r in nodes},
+        (GpuMember(GpuRef(r.node, r.idx), r.pool, r.lent, r.pending) for r in gpus),
+    )
+
+
+async def pool_sizes(uow: UnitOfWork) -> dict[str, int]:
+    """How many GPUs each pool serves with now (lent GPUs in inference)."""
+    rows = await uow.execute(
+        f"SELECT CASE WHEN lent AND NOT pending THEN '{Pool.INFERENCE}' ELSE pool END AS serving,"
+        f" count(*) AS gpus FROM {uow.schema}.gpu_pool GROUP BY 1 ORDER BY 1"
+    )
+    return {r.serving: int(r.gpus) for r in rows}
+
+
+# --- telemetry aggregates ----------------------------------------------------------------
+async def write_partials(
+    uow: UnitOfWork, partials: Sequence[Partial], now: datetime, version: int
+) -> None:
+    """One replica's shares of the pools, folded against membership `version`, in one
+    statement for all of them."""
+    if not partials:
+        return
+    await uow.execute(
+        f"INSERT INTO {uow.schema}.pool_partials"
+        " (partition, pool, util_sum, reporting, updated, version) "
+        "SELECT p, pool, u, n, :now, :version FROM unnest(CAST(:p AS int[]),"
+        " CAST(:pool AS text[]), CAST(:u AS float8[]), CAST(:n AS int[])) AS r(p, pool, u, n) "
+        "ON CONFLICT (partition, pool) DO UPDATE SET util_sum = EXCLUDED.util_sum,"
+        " reporting = EXCLUDED.reporting, updated = EXCLUDED.updated,"
+        " version = EXCLUDED.version",
         {
-            "node": sample.node,
-            "time": sample.time,
-            "idx": [g.index for g in sample.gpus],
-            "util": [g.util for g in sample.gpus],
-            "used": [g.mem_used_mib for g in sample.gpus],
-            "total": [g.mem_total_mib for g in sample.gpus],
+            "now": now,
+            "version": version,
+            "p": [x.partition for x in partials],
+            "pool": [x.pool for x in partials],
+            "u": [x.util_sum for x in partials],
+            "n": [x.reporting for x in partials],
         },
     )
+
+
+async def fresh_partials(
+    uow: UnitOfWork, since: datetime, until: datetime
+) -> tuple[list[Partial], set[int]]:
+    """The partials some replica wrote after `since` (and not after `until`, beyond
+    which a replica's clock is too far ahead to trust), and the membership versions
+    they were folded against."""
+    rows = (
+        await uow.execute(
+            f"SELECT partition, pool, util_sum, reporting, version FROM {uow.schema}.pool_partials "
+            "WHERE updated > :since AND updated <= :until",
+            {"since": since, "until": until},
+        )
+    ).all()
+    partials = [Partial(r.partition, r.pool, r.util_sum, r.reporting) for r in rows]
+    return partials, {int(r.version) for r in rows}
 
 
 async def add_service_stats(uow: UnitOfWork, stats: InferenceStats) -> None:
@@ -160,27 +213,19 @@ async def add_service_stats(uow: UnitOfWork, stats: InferenceStats) -> None:
     )
 
 
-async def prune(
-    uow: UnitOfWork, samples_before: datetime, stats_before: datetime, after: datetime
-) -> None:
-    """Drop what left the window, and anything stamped after `after` (beyond the clock
-    skew the edge accepts): a bogus future timestamp cannot keep a row alive."""
+async def prune(uow: UnitOfWork, before: datetime, after: datetime) -> None:
+    """Drop service stats and partials that left the window, and anything stamped after
+    `after` (beyond the clock skew the edge accepts): a bogus future timestamp cannot
+    keep a row alive."""
     s = uow.schema
     await uow.execute(
-        f"DELETE FROM {s}.samples WHERE time <= :t OR time > :after",
-        {"t": samples_before, "after": after},
+        f"DELETE FROM {s}.service_stats WHERE time <= :t OR time > :after",
+        {"t": before, "after": after},
     )
     await uow.execute(
-        f"DELETE FROM {s}.service_stats WHERE time <= :t OR time > :after",
-        {"t": stats_before, "after": after},
+        f"DELETE FROM {s}.pool_partials WHERE updated <= :t OR updated > :after",
+        {"t": before, "after": after},
     )
-
-
-async def readings_since(uow: UnitOfWork, since: datetime) -> list[Reading]:
-    rows = await uow.execute(
-        f"SELECT node, idx, time, util FROM {uow.schema}.samples WHERE time > :t", {"t": since}
-    )
-    return [Reading(GpuRef(r.node, r.idx), r.time, r.util) for r in rows]
 
 
 async def latest_service_stats(uow: UnitOfWork) -> list[ServiceReading]:
