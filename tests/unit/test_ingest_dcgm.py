@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.support.dcgm import exporter_page
 
 from gpusched.ingest import dcgm
 
@@ -55,3 +59,57 @@ def test_negative_infinite_or_out_of_range_utilization_is_refused(value: str) ->
 def test_a_target_that_names_its_node_overrides_the_hostname_label() -> None:
     parsed = dcgm.samples_from_series(dcgm.parse_exporter_text(FIXTURE), AT, node="inf-1")
     assert [s.node for s in parsed.samples] == ["inf-1"]
+
+
+def _same(text: str) -> bool:
+    def outcome(parse: Callable[[str], list[dcgm.Series]]) -> object:
+        try:
+            return [(s.name, dict(s.labels), repr(float(s.value))) for s in parse(text)]
+        except ValueError:
+            return "refused"
+
+    return outcome(dcgm.parse_exporter_text) == outcome(dcgm.reference_parse)
+
+
+def test_real_and_generated_pages_read_the_same_as_with_the_reference_parser() -> None:
+    for page in (FIXTURE, exporter_page("node-7", gpus=8, seed=7)):
+        assert dcgm.parse_exporter_text(page)
+        assert _same(page)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="a\\"b"} 5\n',  # an escaped quote
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="n"} 5 1700000000000\n',  # a timestamp
+        '# TYPE DCGM_FI_DEV_GPU_UTIL counter\nDCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="n"} 5\n',
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",gpu="1",Hostname="n"} 5\n',  # a duplicate label
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="n"} 1_000\n',
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="n",} +Inf\n',
+        'DCGM_FI_DEV_GPU_UTIL {gpu="0"} 5\n',
+        "DCGM_FI_DEV_GPU_UTIL 5\n",
+    ],
+)
+def test_lines_that_are_not_plain_get_the_reference_parsers_reading(text: str) -> None:
+    assert _same(text)
+
+
+_label_value = st.text(alphabet='ab0,="\\}{ \n', max_size=6)
+_value = st.sampled_from(["5", "0", "-1", "1.5", "1e3", "NaN", "+Inf", "Inf", "x", "1_0", ""])
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(dcgm.METRICS), _label_value, _label_value, _value),
+        max_size=6,
+    )
+)
+def test_any_page_reads_the_same_as_with_the_reference_parser(
+    lines: list[tuple[str, str, str, str]],
+) -> None:
+    esc = {'"': '\\"', "\\": "\\\\", "\n": "\\n"}
+    text = "".join(
+        f'{name}{{gpu="{"".join(esc.get(c, c) for c in gpu)}",Hostname="{host}"}} {value}\n'
+        for name, gpu, host, value in lines
+    )
+    assert _same(text)

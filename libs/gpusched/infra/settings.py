@@ -10,7 +10,7 @@ from datetime import time
 from decimal import Decimal
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # TlsSettings is re-exported: a section like the others, defined beside its contexts.
@@ -106,6 +106,22 @@ class IngestSettings(Section):
         description="how long a node outside the inventory may report before it is refused",
     )
 
+    # dcgm-exporter scraping (docs/dcgm-input.md): targets from a file, or one per
+    # inventory node from a URL template such as http://{node}:9400/metrics.
+    scrape_targets_file: Path | None = None
+    scrape_url_template: str | None = None
+    scrape_interval_s: float = Field(default=5.0, gt=0)
+    scrape_timeout_s: float = Field(default=2.0, gt=0, description="per target")
+    scrape_concurrency: int = Field(default=64, ge=1, description="targets fetched at once")
+    scrape_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # A Prometheus that already scrapes the exporters: its /api/v1/query instead.
+    prometheus_url: str | None = None
+    prometheus_selector: str = Field(default="", description='e.g. cluster="prod"')
+    prometheus_node_label: str = "Hostname"
+    prometheus_interval_s: float = Field(default=5.0, gt=0)
+    prometheus_timeout_s: float = Field(default=3.0, gt=0)
+    prometheus_max_age_s: float = Field(default=30.0, gt=0, description="newest sample age")
+
     @field_validator("replica")
     @classmethod
     def _replica_within(cls, v: int, info: ValidationInfo) -> int:
@@ -113,6 +129,45 @@ class IngestSettings(Section):
         if v >= replicas:
             raise ValueError(f"replica {v} of {replicas}: number the replicas 0..{replicas - 1}")
         return v
+
+    @model_validator(mode="after")
+    def _one_target_source(self) -> IngestSettings:
+        if self.scrape_targets_file is not None and self.scrape_url_template is not None:
+            raise ValueError(
+                "set scrape_targets_file or scrape_url_template, not both "
+                "(a file may name every target, inventory nodes included)"
+            )
+        return self
+
+    @field_validator("scrape_url_template")
+    @classmethod
+    def _template_names_node(cls, value: str | None) -> str | None:
+        if value is not None and "{node}" not in value:
+            raise ValueError("must contain {node}, e.g. http://{node}:9400/metrics")
+        return value
+
+    @field_validator("prometheus_selector")
+    @classmethod
+    def _selector_is_bare(cls, value: str) -> str:
+        if any(c in value for c in "{}"):
+            raise ValueError('give the matchers without braces, e.g. cluster="prod",pool=~"a|b"')
+        return value
+
+    @field_validator("scrape_timeout_s")
+    @classmethod
+    def _timeout_within_interval(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("scrape_interval_s")
+        if interval is not None and value >= interval:
+            raise ValueError(f"must be shorter than scrape_interval_s ({interval})")
+        return value
+
+    @field_validator("prometheus_timeout_s")
+    @classmethod
+    def _query_within_interval(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("prometheus_interval_s")
+        if interval is not None and value >= interval:
+            raise ValueError(f"must be shorter than prometheus_interval_s ({interval})")
+        return value
 
 
 class PreemptionSettings(Section):
