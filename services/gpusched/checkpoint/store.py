@@ -186,12 +186,18 @@ async def record_checkpoint(
     request_id: str | None,
     checkpoint: CheckpointRef,
     confirmed_at: datetime,
-) -> bool:
-    """False if this checkpoint was already confirmed at this stage."""
+) -> int | None:
+    """None if this checkpoint was already confirmed at this stage; else how many
+    checkpoints of the job the catalogue now holds (so the caller retires old ones only
+    when there are more than it keeps, without a statement to find out)."""
+    # RETURNING's subquery reads the statement's snapshot, which holds the job's other
+    # checkpoints but not this row: count them, and this one.
     row = await uow.fetchrow(
         f"INSERT INTO {uow.schema}.checkpoints (job_id, checkpoint_id, stage, request_id, step, "
         "uri, bytes, sha256, confirmed_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) "
-        "ON CONFLICT DO NOTHING RETURNING checkpoint_id",
+        "ON CONFLICT DO NOTHING RETURNING 1 + (SELECT count(DISTINCT c.checkpoint_id) "
+        f"FROM {uow.schema}.checkpoints c WHERE c.job_id = $1 AND c.checkpoint_id <> $2) "
+        "AS catalogued",
         job_id,
         checkpoint.checkpoint_id,
         checkpoint.stage.value,
@@ -202,7 +208,7 @@ async def record_checkpoint(
         checkpoint.sha256,
         confirmed_at,
     )
-    return row is not None
+    return None if row is None else int(row["catalogued"])
 
 
 async def latest_checkpoint(
