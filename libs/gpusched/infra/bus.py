@@ -489,7 +489,7 @@ class ConsumerRunner:
     def _partition(self, msg: Msg) -> tuple[str, Envelope | None]:
         """The lane of a message, and its envelope if it parses (a malformed one goes to
         the shared lane and is dead-lettered there)."""
-        if self._concurrency == 1 or self._c.key is None:
+        if (self._concurrency == 1 and self._batch_max == 1) or self._c.key is None:
             return _ONE_LANE, None
         try:
             envelope = self._read(msg)
