@@ -55,6 +55,8 @@ async def probe(
     apply: Apply,
     *,
     key: bus.KeyOf | None = bus.by_correlation,
+    concurrency: int | None = None,
+    batch: int = 1,
 ) -> AsyncIterator[ServiceRuntime]:
     runtime = ServiceRuntime("probe", "probe", settings, MIGRATIONS)
     await runtime.start()
@@ -65,6 +67,8 @@ async def probe(
             subjects=[runtime.subjects.all_job_events],
             handlers={T.JOB_PROGRESS: apply},
             key=key,
+            concurrency=concurrency,
+            batch=batch,
         )
     )
     task = asyncio.create_task(runtime.run())
@@ -258,3 +262,63 @@ async def test_stopping_applies_or_leaves_for_redelivery_every_fetched_message(
         final = await steps(again)
     assert sorted(step for _, step in final) == list(range(40))
     assert set(partial) <= set(final)
+
+
+# --- batches: waiting messages of different keys share one transaction ------------------
+
+
+async def test_waiting_messages_of_different_keys_share_a_transaction_each_key_in_order(
+    settings: Settings,
+) -> None:
+    gate = Gate(0)
+    transactions: dict[int, list[str]] = {}
+
+    async def apply(envelope: Envelope, uow: UnitOfWork) -> None:
+        txid = (await uow.execute("SELECT txid_current() AS t")).scalar_one()
+        step = envelope.payload(JobProgress).step
+        transactions.setdefault(txid, []).append(f"{envelope.correlation_id}/{step}")
+        await gate.apply(envelope, uow)
+
+    async with probe(tuned(settings), apply, concurrency=1, batch=16) as runtime:
+        await publish(runtime, progress("first", 0))
+        await asyncio.wait_for(gate.arrived(0).wait(), 20)
+        # The only worker is held: these wait, and then go in batches.
+        await publish(runtime, *interleaved(jobs=6, per_job=5))
+        gate.release.set()
+        await eventually(lambda: _count(runtime, 31), within=20)
+        await eventually(lambda: _all_acked(runtime), within=20)
+
+    assert max(len(applied) for applied in transactions.values()) > 1
+    for applied in transactions.values():
+        jobs = [entry.split("/")[0] for entry in applied]
+        assert len(jobs) == len(set(jobs)), f"one key twice in a transaction: {applied}"
+    for job in range(6):
+        entered = [e for e in gate.log if e.startswith(f"enter job-{job}/")]
+        assert entered == [f"enter job-{job}/{job * 1000 + step}" for step in range(5)]
+
+
+async def test_a_failing_message_in_a_batch_is_dead_lettered_alone_and_the_rest_applied(
+    settings: Settings,
+) -> None:
+    gate = Gate(0)
+
+    async def apply(envelope: Envelope, uow: UnitOfWork) -> None:
+        await gate.apply(envelope, uow)
+        if envelope.payload(JobProgress).step == 66:
+            raise Rejected("step 66 is refused")
+
+    async with probe(tuned(settings), apply, concurrency=1, batch=16) as runtime:
+        await publish(runtime, progress("first", 0))
+        await asyncio.wait_for(gate.arrived(0).wait(), 20)
+        await publish(runtime, progress("good-1", 1), progress("refused", 66))
+        await publish(runtime, *(progress(f"good-{n}", n) for n in range(2, 6)))
+        gate.release.set()
+
+        dead = await stream_messages(runtime.js, runtime.subjects.dead_letter("probe"), 1, 20)
+        assert [m.headers["Gpusched-Reason"] for m in dead if m.headers] == ["rejected"]
+        await eventually(lambda: _count(runtime, 6), within=20)
+        await eventually(lambda: _all_acked(runtime), within=20)
+        # The refused message's own effect rolled back; its batch's others committed.
+        assert await steps(runtime) == [("first", 0), *((f"good-{n}", n) for n in range(1, 6))]
+    # It was tried with others first (a batch), then alone.
+    assert gate.log.count("enter refused/66") == 2

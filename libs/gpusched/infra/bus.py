@@ -168,6 +168,14 @@ class Consumer:
     the same time, up to `concurrency` (None: the `bus.consumer_concurrency` setting).
     Messages whose key is None share one key. A service scales by running replicas on
     the same durable (they share the work, with no order between them).
+
+    With a key, `batch` > 1 lets messages of different keys that are waiting at the
+    same time share one transaction, up to `batch` of them: each still has its inbox
+    row, and its effects commit with it. A batch that fails in any way is rolled back
+    and its messages are applied one by one, so every outcome (dead letter, retry,
+    outage) is decided for each message exactly as without a batch. Only messages
+    that arrive together or wait for a busy consumer are batched: one arriving at an
+    idle consumer is applied at once, alone.
     """
 
     durable: str
@@ -177,6 +185,7 @@ class Consumer:
     edge_handlers: Mapping[str, EdgeHandler] = field(default_factory=dict)
     key: KeyOf | None = None
     concurrency: int | None = None
+    batch: int = 1
 
 
 class DeadLetters:
@@ -296,6 +305,10 @@ class ConsumerRunner:
             self._concurrency = concurrency
         if self._concurrency < 1:
             raise ValueError(f"consumer {consumer.durable}: concurrency must be at least 1")
+        if consumer.batch < 1:
+            raise ValueError(f"consumer {consumer.durable}: batch must be at least 1")
+        # Batches need keys (the order they keep) and a unit of work to share.
+        self._batch_max = consumer.batch if consumer.key is not None and uow_factory else 1
         self._stopping = False
         self._stopped = asyncio.Event()
         self._outage = Outage(log, service, f"consumer {consumer.durable}")
@@ -321,7 +334,11 @@ class ConsumerRunner:
         sub = await self._subscribe_when_reachable(config)
         if sub is None:
             return  # stopped before NATS answered
-        lanes = _Lanes(self._apply, self._concurrency)
+        lanes: _Lanes | _BatchLanes
+        if self._batch_max > 1:
+            lanes = _BatchLanes(self._apply_batch, self._concurrency, self._batch_max)
+        else:
+            lanes = _Lanes(self._apply, self._concurrency)
         heartbeat = asyncio.create_task(self._keep_in_hand(lanes))
         fetching = Outage(log, self._service, f"consumer {self._c.durable} fetch")
         capacity = max(self._batch, self._concurrency)
@@ -400,7 +417,73 @@ class ConsumerRunner:
             await self._outage.backoff(self._stopped)
         self._outage.end()
 
-    async def _keep_in_hand(self, lanes: _Lanes) -> None:
+    async def _apply_batch(self, items: list[tuple[Msg, Envelope | None]]) -> None:
+        """Apply messages of different keys in one transaction when they can share one;
+        on any failure, roll back and apply each alone (`_apply`)."""
+        shared = [item for item in items if self._shares_transaction(item[1])]
+        alone = [item for item in items if not self._shares_transaction(item[1])]
+        if len(shared) > 1 and not self._stopping:
+            try:
+                await self._process_together(shared)
+                shared = []
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Nothing of the batch committed: each message now meets its own fate.
+                log.debug(
+                    "a batch of %d on %s failed (%r); applying one by one",
+                    len(shared),
+                    self._c.durable,
+                    exc,
+                )
+        for msg, envelope in (*shared, *alone):
+            await self._apply(msg, envelope)
+
+    def _shares_transaction(self, envelope: Envelope | None) -> bool:
+        # Parsed, and for a handler with a unit of work (not an edge one, not ignored).
+        return (
+            envelope is not None
+            and envelope.type in self._c.handlers
+            and envelope.type not in self._c.edge_handlers
+        )
+
+    async def _process_together(self, items: list[tuple[Msg, Envelope | None]]) -> None:
+        """Apply `items` in one unit of work and ack them all; raises (with nothing
+        committed) if any of them fails."""
+        assert self._uow is not None
+        started = time.perf_counter()
+        consumer = self._c.durable
+        outcomes: list[str] = []
+        async with self._uow() as uow:
+            for msg, envelope in items:
+                assert envelope is not None
+                with tracing.continued(
+                    f"{self._service} apply {envelope.type}",
+                    msg.headers,
+                    {
+                        "messaging.message.id": envelope.id,
+                        "gpusched.correlation": str(envelope.correlation_id),
+                    },
+                ):
+                    if await uow.claim(envelope.id, consumer):
+                        await self._c.handlers[envelope.type](envelope, uow)
+                        outcomes.append("applied")
+                    else:
+                        outcomes.append("duplicate")
+            await uow.commit()
+        # Committed: an ack that does not arrive only means a redelivery, which the
+        # inbox makes harmless.
+        each = (time.perf_counter() - started) / len(items)
+        for (msg, envelope), outcome in zip(items, outcomes, strict=True):
+            try:
+                await msg.ack()  # only queues a frame (as in `process`)
+            except Exception as exc:
+                log.warning("could not ack a message on %s: %s", msg.subject, describe(exc))
+            assert envelope is not None
+            metrics.MESSAGES.labels(self._service, consumer, envelope.type, outcome).inc()
+            metrics.HANDLER_SECONDS.labels(self._service, consumer).observe(each)
+
+    async def _keep_in_hand(self, lanes: _Lanes | _BatchLanes) -> None:
         """In-progress acks for every message fetched and not yet settled, so JetStream
         does not redeliver (and count) a message that waits out an outage in a lane."""
         interval = max(0.5, self._ack_wait / 4)
@@ -415,7 +498,7 @@ class ConsumerRunner:
     def _partition(self, msg: Msg) -> tuple[str, Envelope | None]:
         """The lane of a message, and its envelope if it parses (a malformed one goes to
         the shared lane and is dead-lettered there)."""
-        if self._concurrency == 1 or self._c.key is None:
+        if (self._concurrency == 1 and self._batch_max == 1) or self._c.key is None:
             return _ONE_LANE, None
         try:
             envelope = self._read(msg)
@@ -634,6 +717,80 @@ class _Lanes:
             await asyncio.wait(set(self._tasks))
 
     def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+_ApplyBatch = Callable[[list[tuple[Msg, Envelope | None]]], Awaitable[None]]
+
+
+class _BatchLanes:
+    """`_Lanes` whose workers take the head messages of up to `batch` waiting lanes at
+    a time: each key's messages still go one after another, in stream order, while up
+    to `concurrency` batches of different keys are applied at once. Messages that
+    arrive together, or while every worker is busy, share a batch; a lone message at an
+    idle consumer is applied at once, alone."""
+
+    def __init__(self, apply: _ApplyBatch, concurrency: int, batch: int) -> None:
+        self._apply = apply
+        self._concurrency = concurrency
+        self._batch = batch
+        self._queues: dict[str, deque[tuple[Msg, Envelope | None]]] = {}
+        # Keys with a message waiting and none being applied, in the order they became so.
+        self._ready: deque[str] = deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self.waiting = 0  # fetched messages not yet applied
+
+    def add(self, key: str, msg: Msg, envelope: Envelope | None) -> None:
+        self.waiting += 1
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.append((msg, envelope))  # after the ones before it (ready or in hand)
+            return
+        self._queues[key] = deque([(msg, envelope)])
+        self._ready.append(key)
+        if len(self._tasks) < self._concurrency:
+            task = asyncio.create_task(self._work())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _work(self) -> None:
+        while self._ready:
+            keys = [self._ready.popleft() for _ in range(min(self._batch, len(self._ready)))]
+            try:
+                await self._apply([self._queues[key][0] for key in keys])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Applying settles every outcome itself; whatever still escapes (a bug)
+                # costs these messages a redelivery, never the service.
+                log.error("could not apply a batch of %d messages", len(keys), exc_info=exc)
+            for key in keys:
+                queue = self._queues[key]
+                queue.popleft()
+                self.waiting -= 1
+                if queue:
+                    self._ready.append(key)
+                else:
+                    del self._queues[key]
+            self._room.set()
+
+    async def room(self) -> None:
+        """Wait until a worker finished a batch."""
+        self._room.clear()
+        await self._room.wait()
+
+    def held(self) -> list[Msg]:
+        """Every fetched message not yet settled."""
+        return [msg for queue in self._queues.values() for msg, _ in queue]
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def cancel(self) -> None:
+        # Cancelled: the messages still in hand are redelivered after their ack wait.
         for task in self._tasks:
             task.cancel()
 

@@ -6,7 +6,8 @@
 - Rows are claimed with FOR UPDATE SKIP LOCKED, so several relays (replicas) never
   publish the same row at the same time and never block each other.
 - Acks are pipelined: a whole batch is published before any ack is awaited.
-- Nothing waits unbounded: acks not back within `ACK_TIMEOUT_S` roll the batch back
+- Nothing waits unbounded: a batch not published and acked within `ACK_TIMEOUT_S`
+  (acks lost, or the client's pending-ack slots full) is rolled back
   (it is published again later, de-duplicated by Nats-Msg-Id); a lost PostgreSQL or
   LISTEN connection is opened again, with backoff, logging one warning per outage.
 - `gpusched_outbox_oldest_unpublished_seconds` is the age of the oldest row still
@@ -204,17 +205,23 @@ class OutboxRelay:
             # RETURNING has no order; publishing in seq order keeps each subject in order.
             rows.sort(key=lambda row: row[0])
             futures: list[asyncio.Future[PubAck]] = []
-            try:
+
+            async def publish_all() -> None:
                 for _, msg_id, subject, payload, raw_headers, _ in rows:
                     # Most rows carry no trace context: skip parsing an empty object.
                     headers = json.loads(raw_headers) if raw_headers != "{}" else {}
                     headers["Nats-Msg-Id"] = msg_id
-                    futures.append(
-                        await publish(subject, payload, headers=headers, wait_stall=ACK_TIMEOUT_S)
-                    )
+                    futures.append(await publish(subject, payload, headers=headers))
+                await asyncio.gather(*futures)
+
+            try:
+                # One bound for the whole batch: the publishes (which wait only when the
+                # client's pending-ack slots are full) and every ack. Not a bound per
+                # publish (`wait_stall`): before Python 3.12 each such wait_for is a task
+                # and a trip through the event loop, ~1 ms apiece behind a busy loop.
                 # Any failed or missing ack raises here: the transaction rolls back, the
                 # rows stay, and the retry is de-duplicated by Nats-Msg-Id.
-                await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
+                await asyncio.wait_for(publish_all(), ACK_TIMEOUT_S)
             except BaseException:
                 # Acks lost with a dropped connection never come: cancelling their
                 # futures frees nats-py's pending-ack slots, which would otherwise fill

@@ -23,6 +23,10 @@ NAME = "checkpoint"
 SCHEMA = "checkpoint"
 SWEEP_BATCH = 100
 SWEEP_BATCHES_PER_TICK = 10
+# Messages of different sagas waiting at once share one transaction, up to this many
+# (bus.Consumer.batch): a mass eviction costs a transaction, an outbox write and a
+# relay wake-up per batch rather than per message.
+BATCH = 16
 
 
 # Partition keys: each consumer applies the messages of one key in stream order and
@@ -67,6 +71,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.EVICTION_WITHDRAWN: handlers.on_eviction_withdrawn,
             },
             key=by_request,
+            batch=BATCH,
         )
     )
     rt.consume(
@@ -81,6 +86,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.JOB_FAILED: handlers.on_job_failed,
             },
             key=by_job,
+            batch=BATCH,
         )
     )
     rt.consume(
@@ -92,6 +98,7 @@ async def build(rt: ServiceRuntime) -> None:
             subjects=[s.event("admission", T.ALLOCATION_GRANTED)],
             handlers={T.ALLOCATION_GRANTED: handlers.on_allocation_granted},
             key=by_job,
+            batch=BATCH,
         )
     )
     rt.consume(
@@ -104,6 +111,7 @@ async def build(rt: ServiceRuntime) -> None:
                 T.EVICT_FAILED: handlers.on_evict_failed,
             },
             key=by_allocation,
+            batch=BATCH,
         )
     )
     queries = Queries(rt.uow)

@@ -250,11 +250,13 @@ class SagaHandlers:
                 uow, job_id, confirmed.request_id, ref, verdict, facts, sagas, envelope.id
             )
             return
-        if await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now):
+        catalogued = await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now)
+        if catalogued is not None:
             await _announce(
                 uow, job_id, confirmed.request_id, ref, verdict, facts, now, envelope.id
             )
-            await self._retire_old_checkpoints(uow, job_id, envelope.id)
+            if catalogued > self._retention:
+                await self._retire_old_checkpoints(uow, job_id, envelope.id)
         event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
         for saga in sagas:
             await self._apply(uow, saga, event, envelope.id, now)

@@ -4,6 +4,9 @@ A saga is stored whole as `data` (Saga.to_dict()); `state`, `deadline` and the i
 copies that let PostgreSQL enforce one live saga per allocation and find due deadlines.
 Every function that returns a saga for changing it locks its row (FOR UPDATE), so
 replicas and this service's own consumers apply inputs to one saga one at a time.
+
+Each message applies several of these statements, so they go straight to the driver
+(`UnitOfWork.fetch`: asyncpg rows, `$1` parameters) rather than through SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ def _remember_trace(uow: UnitOfWork, saga_id: str, trace: dict[str, str]) -> Non
 
 
 def _saga(uow: UnitOfWork, row: Any) -> Saga:
-    saga = Saga.from_dict(json.loads(row.data))
-    _remember_trace(uow, saga.saga_id, json.loads(row.trace) if row.trace else {})
+    saga = Saga.from_dict(json.loads(row["data"]))
+    trace = row["trace"]
+    _remember_trace(uow, saga.saga_id, json.loads(trace) if trace else {})
     return saga
 
 
@@ -50,14 +54,22 @@ def _sagas(uow: UnitOfWork, rows: Any) -> list[Saga]:
 async def insert_saga(uow: UnitOfWork, saga: Saga) -> bool:
     """False if the request is known already or the allocation has a live saga."""
     trace = tracing.inject()
-    result = await uow.execute(
+    row = await uow.fetchrow(
         f"INSERT INTO {uow.schema}.sagas (saga_id, request_id, allocation_id, job_id, state, "
-        "deadline, data, created_at, updated_at, trace) VALUES (:saga_id, :request_id, "
-        ":allocation_id, :job_id, :state, :deadline, CAST(:data AS jsonb), :created_at, "
-        ":updated_at, CAST(:trace AS jsonb)) ON CONFLICT DO NOTHING RETURNING saga_id",
-        {**_columns(saga), "trace": json.dumps(trace)},
+        "deadline, data, created_at, updated_at, trace) VALUES ($1, $2, $3, $4, $5, $6, "
+        "$7::jsonb, $8, $9, $10::jsonb) ON CONFLICT DO NOTHING RETURNING saga_id",
+        saga.saga_id,
+        saga.request_id,
+        saga.allocation_id,
+        saga.job_id,
+        saga.state.value,
+        saga.deadline,
+        json.dumps(saga.to_dict()),
+        saga.created_at,
+        saga.updated_at,
+        json.dumps(trace),
     )
-    if result.first() is None:
+    if row is None:
         return False
     _remember_trace(uow, saga.saga_id, trace)
     return True
@@ -67,72 +79,51 @@ async def saga_trace(uow: UnitOfWork, saga_id: str) -> dict[str, str] | None:
     known = _TRACES.get(uow, {}).get(saga_id)
     if known is not None:
         return dict(known) if known else None
-    row = (
-        await uow.execute(
-            f"SELECT trace FROM {uow.schema}.sagas WHERE saga_id = :id", {"id": saga_id}
-        )
-    ).first()
-    return dict(row.trace) if row is not None and row.trace else None
+    row = await uow.fetchrow(
+        f"SELECT trace::text AS trace FROM {uow.schema}.sagas WHERE saga_id = $1", saga_id
+    )
+    trace: dict[str, str] | None = None if row is None else json.loads(row["trace"] or "null")
+    return trace or None
 
 
 async def save_saga(uow: UnitOfWork, saga: Saga) -> None:
-    await uow.execute(
-        f"UPDATE {uow.schema}.sagas SET state = :state, deadline = :deadline, "
-        "data = CAST(:data AS jsonb), updated_at = :updated_at WHERE saga_id = :saga_id",
-        _columns(saga),
+    await uow.fetch(
+        f"UPDATE {uow.schema}.sagas SET state = $2, deadline = $3, data = $4::jsonb, "
+        "updated_at = $5 WHERE saga_id = $1",
+        saga.saga_id,
+        saga.state.value,
+        saga.deadline,
+        json.dumps(saga.to_dict()),
+        saga.updated_at,
     )
-
-
-def _columns(saga: Saga) -> dict[str, object]:
-    return {
-        "saga_id": saga.saga_id,
-        "request_id": saga.request_id,
-        "allocation_id": saga.allocation_id,
-        "job_id": saga.job_id,
-        "state": saga.state.value,
-        "deadline": saga.deadline,
-        "data": json.dumps(saga.to_dict()),
-        "created_at": saga.created_at,
-        "updated_at": saga.updated_at,
-    }
 
 
 _SELECT = "SELECT data::text AS data, trace::text AS trace FROM {schema}.sagas "
 
 
-async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema) + "WHERE saga_id = :id FOR UPDATE", {"id": saga_id}
-    )
-    row = result.first()
+async def _one(uow: UnitOfWork, where: str, *args: Any) -> Saga | None:
+    row = await uow.fetchrow(_SELECT.format(schema=uow.schema) + where, *args)
     return None if row is None else _saga(uow, row)
+
+
+async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
+    return await _one(uow, "WHERE saga_id = $1 FOR UPDATE", saga_id)
 
 
 async def lock_by_request(uow: UnitOfWork, request_id: str) -> Saga | None:
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema) + "WHERE request_id = :r FOR UPDATE", {"r": request_id}
-    )
-    row = result.first()
-    return None if row is None else _saga(uow, row)
+    return await _one(uow, "WHERE request_id = $1 FOR UPDATE", request_id)
 
 
 async def find_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema) + "WHERE allocation_id = :a AND state <> ALL(:terminal)",
-        {"a": allocation_id, "terminal": _TERMINAL},
+    return await _one(
+        uow, "WHERE allocation_id = $1 AND state <> ALL($2)", allocation_id, _TERMINAL
     )
-    row = result.first()
-    return None if row is None else _saga(uow, row)
 
 
 async def lock_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema)
-        + "WHERE allocation_id = :a AND state <> ALL(:terminal) FOR UPDATE",
-        {"a": allocation_id, "terminal": _TERMINAL},
+    return await _one(
+        uow, "WHERE allocation_id = $1 AND state <> ALL($2) FOR UPDATE", allocation_id, _TERMINAL
     )
-    row = result.first()
-    return None if row is None else _saga(uow, row)
 
 
 async def lock_live_by_job(
@@ -142,49 +133,48 @@ async def lock_live_by_job(
     job's: an answer to a request that arrives after its saga ended is still worth
     an audit record."""
     # Ordered by id so that two transactions locking the same sagas cannot deadlock.
-    result = await uow.execute(
+    rows = await uow.fetch(
         _SELECT.format(schema=uow.schema)
-        + "WHERE job_id = :j AND (state <> ALL(:terminal) OR request_id = :r) "
+        + "WHERE job_id = $1 AND (state <> ALL($2) OR request_id = $3) "
         "ORDER BY saga_id FOR UPDATE",
-        {"j": job_id, "terminal": _TERMINAL, "r": request_id},
+        job_id,
+        _TERMINAL,
+        request_id,
     )
-    return _sagas(uow, result)
+    return _sagas(uow, rows)
 
 
 async def lock_due(uow: UnitOfWork, now: datetime, limit: int) -> list[Saga]:
     """Sagas waiting for a checkpoint past their deadline, skipping those another
     transaction (a replica's sweeper, or a handler applying a confirmation) holds."""
-    result = await uow.execute(
+    rows = await uow.fetch(
         _SELECT.format(schema=uow.schema)
-        + "WHERE state = :state AND deadline <= :now ORDER BY deadline "
-        "LIMIT :limit FOR UPDATE SKIP LOCKED",
-        {"state": SagaState.CHECKPOINTING.value, "now": now, "limit": limit},
+        + "WHERE state = $1 AND deadline <= $2 ORDER BY deadline LIMIT $3 FOR UPDATE SKIP LOCKED",
+        SagaState.CHECKPOINTING.value,
+        now,
+        limit,
     )
-    return _sagas(uow, result)
+    return _sagas(uow, rows)
 
 
 async def get_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema) + "WHERE saga_id = :id", {"id": saga_id}
-    )
-    row = result.first()
-    return None if row is None else _saga(uow, row)
+    return await _one(uow, "WHERE saga_id = $1", saga_id)
 
 
 async def current_saga_of_job(uow: UnitOfWork, job_id: str) -> Saga | None:
     """The job's live saga if it has one, else its most recent."""
-    result = await uow.execute(
-        _SELECT.format(schema=uow.schema)
-        + "WHERE job_id = :j ORDER BY (state <> ALL(:terminal)) DESC, created_at DESC LIMIT 1",
-        {"j": job_id, "terminal": _TERMINAL},
+    return await _one(
+        uow,
+        "WHERE job_id = $1 ORDER BY (state <> ALL($2)) DESC, created_at DESC LIMIT 1",
+        job_id,
+        _TERMINAL,
     )
-    row = result.first()
-    return None if row is None else _saga(uow, row)
 
 
 async def count_sagas(uow: UnitOfWork) -> int:
-    result = await uow.execute(f"SELECT count(*) AS n FROM {uow.schema}.sagas")
-    return int(result.scalar_one())
+    row = await uow.fetchrow(f"SELECT count(*) AS n FROM {uow.schema}.sagas")
+    assert row is not None
+    return int(row["n"])
 
 
 # --- the checkpoint catalogue ------------------------------------------------------------
@@ -196,21 +186,29 @@ async def record_checkpoint(
     request_id: str | None,
     checkpoint: CheckpointRef,
     confirmed_at: datetime,
-) -> bool:
-    """False if this checkpoint was already confirmed at this stage."""
-    result = await uow.execute(
+) -> int | None:
+    """None if this checkpoint was already confirmed at this stage; else how many
+    checkpoints of the job the catalogue now holds (so the caller retires old ones only
+    when there are more than it keeps, without a statement to find out)."""
+    # RETURNING's subquery reads the statement's snapshot, which holds the job's other
+    # checkpoints but not this row: count them, and this one.
+    row = await uow.fetchrow(
         f"INSERT INTO {uow.schema}.checkpoints (job_id, checkpoint_id, stage, request_id, step, "
-        "uri, bytes, sha256, confirmed_at) VALUES (:job_id, :checkpoint_id, :stage, "
-        ":request_id, :step, :uri, :bytes, :sha256, :confirmed_at) "
-        "ON CONFLICT DO NOTHING RETURNING checkpoint_id",
-        {
-            "job_id": job_id,
-            "request_id": request_id,
-            "confirmed_at": confirmed_at,
-            **checkpoint.to_dict(),
-        },
+        "uri, bytes, sha256, confirmed_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) "
+        "ON CONFLICT DO NOTHING RETURNING 1 + (SELECT count(DISTINCT c.checkpoint_id) "
+        f"FROM {uow.schema}.checkpoints c WHERE c.job_id = $1 AND c.checkpoint_id <> $2) "
+        "AS catalogued",
+        job_id,
+        checkpoint.checkpoint_id,
+        checkpoint.stage.value,
+        request_id,
+        checkpoint.step,
+        checkpoint.uri,
+        checkpoint.bytes,
+        checkpoint.sha256,
+        confirmed_at,
     )
-    return result.first() is not None
+    return None if row is None else int(row["catalogued"])
 
 
 async def latest_checkpoint(
@@ -218,53 +216,60 @@ async def latest_checkpoint(
 ) -> CatalogueEntry | None:
     """The highest step of the job; at the same step the most durable stage first."""
     stages = [stage.value for stage in Stage if stage.satisfies(min_stage)]
-    result = await uow.execute(
+    row = await uow.fetchrow(
         "SELECT checkpoint_id, step, uri, bytes, sha256, stage, confirmed_at "
-        f"FROM {uow.schema}.checkpoints WHERE job_id = :j AND stage = ANY(:stages) "
-        "ORDER BY step DESC, (stage = :persisted) DESC, confirmed_at DESC LIMIT 1",
-        {"j": job_id, "stages": stages, "persisted": Stage.PERSISTED.value},
+        f"FROM {uow.schema}.checkpoints WHERE job_id = $1 AND stage = ANY($2) "
+        "ORDER BY step DESC, (stage = $3) DESC, confirmed_at DESC LIMIT 1",
+        job_id,
+        stages,
+        Stage.PERSISTED.value,
     )
-    row = result.first()
     if row is None:
         return None
     ref = CheckpointRef(
-        checkpoint_id=row.checkpoint_id,
-        step=row.step,
-        uri=row.uri,
-        bytes=row.bytes,
-        sha256=row.sha256,
-        stage=Stage(row.stage),
+        checkpoint_id=row["checkpoint_id"],
+        step=row["step"],
+        uri=row["uri"],
+        bytes=row["bytes"],
+        sha256=row["sha256"],
+        stage=Stage(row["stage"]),
     )
-    return CatalogueEntry(ref, row.confirmed_at)
+    return CatalogueEntry(ref, row["confirmed_at"])
 
 
 async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[dict[str, object]]:
     """Drop the job's catalogue entries beyond the newest `keep` checkpoints, except any
     that a saga of the job references (the checkpoint an eviction waited for is what
     admission resumes the job from). Returns what was dropped."""
-    result = await uow.execute(
+    rows = await uow.fetch(
         f"""
         WITH newest AS (
-            SELECT checkpoint_id FROM {uow.schema}.checkpoints WHERE job_id = :j
+            SELECT checkpoint_id FROM {uow.schema}.checkpoints WHERE job_id = $1
             GROUP BY checkpoint_id ORDER BY max(step) DESC, max(confirmed_at) DESC
-            LIMIT :keep
+            LIMIT $2
         ), referenced AS (
             SELECT data -> 'checkpoint' ->> 'checkpoint_id' AS checkpoint_id
-            FROM {uow.schema}.sagas WHERE job_id = :j
+            FROM {uow.schema}.sagas WHERE job_id = $1
             UNION
             SELECT data -> 'last_confirmed' ->> 'checkpoint_id'
-            FROM {uow.schema}.sagas WHERE job_id = :j
+            FROM {uow.schema}.sagas WHERE job_id = $1
         )
-        DELETE FROM {uow.schema}.checkpoints c WHERE c.job_id = :j
+        DELETE FROM {uow.schema}.checkpoints c WHERE c.job_id = $1
           AND c.checkpoint_id NOT IN (SELECT checkpoint_id FROM newest)
           AND NOT EXISTS (SELECT 1 FROM referenced r WHERE r.checkpoint_id = c.checkpoint_id)
         RETURNING c.checkpoint_id, c.stage, c.step, c.uri
         """,
-        {"j": job_id, "keep": keep},
+        job_id,
+        keep,
     )
     return [
-        {"checkpoint_id": r.checkpoint_id, "stage": r.stage, "step": r.step, "uri": r.uri}
-        for r in result
+        {
+            "checkpoint_id": r["checkpoint_id"],
+            "stage": r["stage"],
+            "step": r["step"],
+            "uri": r["uri"],
+        }
+        for r in rows
     ]
 
 
@@ -272,18 +277,19 @@ async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[di
 
 
 async def remember_class(uow: UnitOfWork, job_id: str, priority_class: str, at: datetime) -> None:
-    await uow.execute(
+    await uow.fetch(
         f"INSERT INTO {uow.schema}.job_classes (job_id, priority_class, updated_at) "
-        "VALUES (:j, :c, :at) ON CONFLICT (job_id) DO UPDATE "
+        "VALUES ($1, $2, $3) ON CONFLICT (job_id) DO UPDATE "
         "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at",
-        {"j": job_id, "c": priority_class, "at": at},
+        job_id,
+        priority_class,
+        at,
     )
 
 
 async def class_of(uow: UnitOfWork, job_id: str) -> str | None:
     """The job's priority class, or None if no grant or eviction of it was seen."""
-    result = await uow.execute(
-        f"SELECT priority_class FROM {uow.schema}.job_classes WHERE job_id = :j", {"j": job_id}
+    row = await uow.fetchrow(
+        f"SELECT priority_class FROM {uow.schema}.job_classes WHERE job_id = $1", job_id
     )
-    row = result.first()
-    return None if row is None else str(row.priority_class)
+    return None if row is None else str(row["priority_class"])
