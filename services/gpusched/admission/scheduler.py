@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
+
+from prometheus_client import Counter, Histogram
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import T
@@ -43,6 +46,16 @@ log = logging.getLogger(__name__)
 _MOST_PARKED_PER_PASS = 50
 # How long a running service whose top-up failed gets no new replica.
 _TOPUP_PAUSE = timedelta(minutes=5)
+
+PASS_SECONDS = Histogram(
+    "gpusched_admission_pass_seconds",
+    "Time of one scheduling pass that ran (a pass skipped as having nothing to do is not timed)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+PASS_CHANGED = Counter(
+    "gpusched_admission_pass_changed_jobs_total",
+    "Queued jobs a scheduling pass found new or changed since the pass before",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +87,7 @@ class QueuedJobs:
             if (known := self._parsed.get(job_id)) is None or known[0] != version
         ]
         fresh = await store.queued_by_id(uow, stale)
+        PASS_CHANGED.inc(len(stale))
         parsed: dict[str, tuple[str, JobRecord]] = {}
         for job_id, version in listed:
             if job_id in fresh:
@@ -196,6 +210,7 @@ class Scheduler:
                     probe.unexamined == 0 and probe.ledger_version == self._fruitless_at and not due
                 ):
                     return 0
+            started_at = time.perf_counter()
             ledger = await self._keeper.hold(uow)
             # Another replica may have added or removed a node since this one last looked.
             self._catalog.follow(self._keeper.inventory)
@@ -274,6 +289,7 @@ class Scheduler:
             self._current = None
             await store.mark_waiting(uow, [job.job_id for job, _ in newly_waiting], now)
             await uow.commit()
+        PASS_SECONDS.observe(time.perf_counter() - started_at)
         self._fruitless_at = None if placed else self._keeper.version
         if placed:
             log.info("placed %d job(s)", placed)
