@@ -113,9 +113,11 @@ async def unexamined(settings: Settings) -> int:
     uow = UnitOfWorkFactory(engine, SCHEMA, "bench", Subjects(settings.subject_prefix))
     try:
         async with uow() as unit:
-            probe = await store.queue_probe(unit)
-            outbox = await unit.execute(f"SELECT count(*) FROM {SCHEMA}.outbox")
-            return probe.unexamined + int(outbox.scalar_one())
+            result = await unit.execute(
+                f"SELECT (SELECT count(*) FROM {SCHEMA}.jobs WHERE state = 'queued' "
+                f"AND NOT wait_audited) + (SELECT count(*) FROM {SCHEMA}.outbox)"
+            )
+            return int(result.scalar_one())
     finally:
         await engine.dispose()
 
