@@ -93,8 +93,11 @@ class Plan:
     # Services whose replica counter moved, and GPUs an undone replica gang touched.
     replica_seqs: dict[str, int] = field(default_factory=dict)
     touched: list[GpuRef] = field(default_factory=list)
-    # The earliest time a pass must run even if nothing changes; None: none.
+    # When a pass must run even if nothing changes (None: no such time): the earliest a
+    # waiting job crosses reserve_after or starve_after, and the earliest a service's
+    # restart back-off ends.
     next_deadline: datetime | None = None
+    retry_at: datetime | None = None
     # Jobs looked at (queued and running services), and jobs placed (a service counts once).
     examined: int = 0
     placed: int = 0
@@ -134,6 +137,10 @@ def plan(
     return _Planner(ledger, rules, now, allocation_ids).run(
         queue, usage, dict(reservations), only, services
     )
+
+
+def _earliest(known: datetime | None, at: datetime) -> datetime:
+    return at if known is None or at < known else known
 
 
 class _Planner:
@@ -272,17 +279,13 @@ class _Planner:
         restart_at = service.replica_restart_at
         if restart_at is None or not replicas.backing_off(service, self.now):
             return False
-        self._deadline(restart_at)
+        self.out.retry_at = _earliest(self.out.retry_at, restart_at)
         return True
-
-    def _deadline(self, at: datetime) -> None:
-        if self.out.next_deadline is None or at < self.out.next_deadline:
-            self.out.next_deadline = at
 
     def _note_deadline(self, submitted_at: datetime, waited: timedelta) -> None:
         for threshold in (self.rules.reserve_after, self.rules.starve_after):
             if waited < threshold:
-                self._deadline(submitted_at + threshold)
+                self.out.next_deadline = _earliest(self.out.next_deadline, submitted_at + threshold)
 
     def _reservation_for(self, job: JobRecord, waited: timedelta) -> Reservation | None:
         ledger = self.ledger

@@ -139,6 +139,26 @@ class QueueIndex:
             if not teams:
                 del self._lines[rank]
 
+    def submitted_between(self, after: datetime, until: datetime) -> list[JobRecord]:
+        """The jobs submitted in (after, until]: O(lines x log n)."""
+        found: list[JobRecord] = []
+        for teams in self._lines.values():
+            for line in teams.values():
+                start = bisect.bisect_right(line, after, key=lambda job: job.submitted_at)
+                end = bisect.bisect_right(line, until, key=lambda job: job.submitted_at)
+                found.extend(line[start:end])
+        return found
+
+    def first_submitted_after(self, after: datetime) -> datetime | None:
+        """The earliest submission time later than ``after``, or None."""
+        first: datetime | None = None
+        for teams in self._lines.values():
+            for line in teams.values():
+                at = bisect.bisect_right(line, after, key=lambda job: job.submitted_at)
+                if at < len(line) and (first is None or line[at].submitted_at < first):
+                    first = line[at].submitted_at
+        return first
+
     def lines(self) -> Mapping[int, Mapping[str, Sequence[JobRecord]]]:
         """rank -> team -> that team's queued jobs, oldest first."""
         return self._lines

@@ -5,15 +5,18 @@ release, GPUs returned) or every schedule interval, and coalesces: kicks during 
 make one more pass. Correctness does not rest on the singleton: every pass holds the
 ledger lock (see keeper), so a pass on another replica would only wait its turn.
 
-What a pass reads is driven by what changed. The queue is held in memory
+What a pass reads and plans is driven by what changed. The queue is held in memory
 (queue.QueueIndex), loaded at the first pass and then kept up to date from the job rows
 changed since the last read (store.jobs_changed_since: new submits, requeued, cancelled
-or edited jobs, whichever replica wrote them). A pass is full (every queued job) when capacity may have grown: the ledger changed since the
-pass before (a release, a node added, GPUs returned), a job crossed a reservation or
-starvation deadline, or the last pass failed; otherwise it is incremental and plans the
-changed jobs alone (the others did not fit and still would not). The decisions are
-planning.plan's, pure and run in a worker thread, so the event loop keeps answering the
-API while a full pass over a deep queue runs; this module reads, writes and audits.
+or edited jobs, whichever replica wrote them). A pass is full (every queued job) when
+capacity may have grown: the ledger changed since the pass before (a release, a node
+added, GPUs returned), a reservation ended, a service's back-off ended, or the last pass
+failed. Otherwise it is incremental: it plans the changed jobs and those that crossed
+reserve_after or starve_after since (found by submission time in the index), and none
+of the others, which did not fit and still would not. Running services are topped up
+by every pass. The decisions are planning.plan's, pure and run in a worker thread, so
+the event loop goes on answering the API while a full pass over a deep queue runs;
+this module reads, writes and audits.
 """
 
 from __future__ import annotations
@@ -132,9 +135,11 @@ class Scheduler:
         self._interval_s = interval_s
         self._rules = Rules(catalog, reserve_after, starve_after)
         self._clock = clock
-        # When a waiting job next crosses reserve_after or starve_after (or a service's
-        # back-off ends): a full pass must run then even if nothing else changed.
-        self._next_deadline: datetime | None = None
+        self._thresholds = (reserve_after, starve_after)
+        # Until when the passes so far planned for jobs crossing a threshold, and the
+        # earliest end of a service's restart back-off (a full pass runs then).
+        self._checked_at: datetime | None = None
+        self._retry_at: datetime | None = None
         self._kicked = asyncio.Event()
         self._queue = QueuedJobs()
         # The committed ledger version after this scheduler's last pass: while the
@@ -218,18 +223,40 @@ class Scheduler:
             await uow.commit()
         self._queue.index.drop(job_id)
 
+    def _due(self, now: datetime) -> bool:
+        """A waiting job crossed reserve_after or starve_after, or a back-off ended, since
+        the last pass: time alone gives a pass something to do."""
+        if self._retry_at is not None and now >= self._retry_at:
+            return True
+        if self._checked_at is None:
+            return False
+        queue = self._queue.index
+        for threshold in self._thresholds:
+            first = queue.first_submitted_after(self._checked_at - threshold)
+            if first is not None and now >= first + threshold:
+                return True
+        return False
+
+    def _crossed(self, now: datetime) -> set[str]:
+        """The queued jobs that crossed a threshold since the last pass (O(lines x log n))."""
+        if self._checked_at is None:
+            return set()
+        return {
+            job.job_id
+            for threshold in self._thresholds
+            for job in self._queue.index.submitted_between(
+                self._checked_at - threshold, now - threshold
+            )
+        }
+
     async def _nothing_new(self) -> bool:
         """True when a pass would find nothing to do: no job changed, the ledger is as
-        the last pass left it, and no deadline is due. Read without the ledger lock."""
-        if self._settled is None or not self._queue.loaded:
-            return False
-        due = self._next_deadline is not None and self._clock() >= self._next_deadline
-        if due:
+        the last pass left it, and nothing is due. Read without the ledger lock."""
+        if self._settled is None or not self._queue.loaded or self._due(self._clock()):
             return False
         async with self._uow() as uow:
-            return await store.ledger_version(
-                uow
-            ) == self._settled and not await self._queue.any_news(uow)
+            version = await store.ledger_version(uow)
+            return version == self._settled and not await self._queue.any_news(uow)
 
     async def _pass(self) -> int:
         if await self._nothing_new():
@@ -243,28 +270,26 @@ class Scheduler:
             self._catalog.follow(self._keeper.inventory)
             now = self._clock()
             changed = await self._queue.refresh(uow)
-            due = self._next_deadline is not None and now >= self._next_deadline
-            full = not unchanged or due
             queue = self._queue.index
             # The stored reservations that still hold (see reservations.py); the others
-            # end now.
+            # end now, which frees their nodes for every job.
             reserved, ended = await self._holding(uow, queue, now)
+            retry_due = self._retry_at is not None and now >= self._retry_at
+            full = not unchanged or retry_due or bool(ended)
+            # A job crossing reserve_after may take a reservation, one crossing
+            # starve_after may be offered fewer GPUs: planned again like a changed job.
+            only = None if full else changed | self._crossed(now)
             outcome: Plan | None = None
             # Running services below their target are topped up by every pass (few).
             services = await store.running_services(uow)
-            if full or changed or services:
+            if only is None or only or services:
                 # Pure and possibly long (a full pass over a deep queue): in a thread, so
                 # the event loop goes on answering. The ledger lock keeps every other
                 # user of the ledger away meanwhile.
                 outcome = await asyncio.to_thread(
                     plan, queue, ledger, usage_of(ledger.allocations.values()), reserved, now,
-                    self._rules, only=None if full else changed, services=services,
+                    self._rules, only=only, services=services,
                 )  # fmt: skip
-                if full or (
-                    outcome.next_deadline is not None
-                    and (self._next_deadline is None or outcome.next_deadline < self._next_deadline)
-                ):
-                    self._next_deadline = outcome.next_deadline
                 ended.extend(
                     (reservation, ReservationEnd.PLACED, job)
                     for reservation, job in outcome.placed_reserved
@@ -274,8 +299,15 @@ class Scheduler:
                 await self._write(uow, ledger, outcome, now)
             await uow.commit()
         self._settled = self._keeper.version
+        self._checked_at = now
         if outcome is None:
             return 0
+        if full or outcome.retry_at is not None:
+            # A full pass saw every service; an incremental one only adds back-offs.
+            self._retry_at = (
+                outcome.retry_at if full or self._retry_at is None
+                else min(self._retry_at, outcome.retry_at or self._retry_at)
+            )  # fmt: skip
         for grant in outcome.grants:
             queue.drop(grant.job.job_id)
         self._queue.audited([job.job_id for job, _ in outcome.waiting])
