@@ -128,6 +128,18 @@ class Load:
     latencies_ms: list[float]
     failed: int
     elapsed_s: float
+    # (seconds into the load, latency in ms) of each answered request, in answer order.
+    timeline: list[tuple[float, float]]
+
+    def windows(self, seconds: float = 10.0) -> str:
+        """p99 per window of the load, to tell a steady tail from a few stalls."""
+        by_window: dict[int, list[float]] = {}
+        for at, ms in self.timeline:
+            by_window.setdefault(int(at // seconds), []).append(ms)
+        return ", ".join(
+            f"{int(w * seconds)}s: {percentile(values, 99):.0f}"
+            for w, values in sorted(by_window.items())
+        )
 
 
 async def paced(
@@ -137,6 +149,7 @@ async def paced(
     send), each timed from its scheduled send to its reply."""
     count = max(1, int(rate * seconds))
     latencies: list[float] = []
+    timeline: list[tuple[float, float]] = []
     failed = 0
     start = time.perf_counter() + 0.05
 
@@ -153,9 +166,10 @@ async def paced(
             failed += 1
             return
         latencies.append((time.perf_counter() - at) * 1000)
+        timeline.append((at - start, latencies[-1]))
 
     await asyncio.gather(*(one(n) for n in range(count)))
-    return Load(latencies, failed, time.perf_counter() - start)
+    return Load(latencies, failed, time.perf_counter() - start, timeline)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -258,7 +272,7 @@ async def run(ctx: Context) -> list[Figure]:
     lat = load.latencies_ms
     ctx.progress(
         f"{NAME}: {len(lat)} submits answered, {load.failed} failed; {passes:.0f} passes "
-        f"took {pass_s:.1f} s for {changed:.0f} changed jobs"
+        f"took {pass_s:.1f} s for {changed:.0f} changed jobs; p99 ms by 10 s: {load.windows()}"
     )
     base = baseline.latencies_ms
     return [
