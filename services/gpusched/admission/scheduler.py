@@ -88,7 +88,30 @@ class QueuedJobs:
         return self._mark is not None
 
     async def any_news(self, uow: UnitOfWork) -> bool:
-        return self._mark is None or await store.any_changed_since(uow, self._mark)
+        """Whether a job changed since the last read other than by this scheduler's own
+        bookkeeping. Without the ledger lock: if the only changes are its own, they are
+        taken in (the index stays right) and the next read starts after them."""
+        if self._mark is None:
+            return True
+        if not await store.any_changed_since(uow, self._mark):
+            return False
+        mark = await store.change_mark(uow)
+        queued, gone = await store.jobs_changed_since(uow, self._mark)
+        if self._news(queued) or any(job_id in self.index for job_id in gone):
+            return True
+        for job in queued:
+            self.index.put(job)
+        self._mark = mark
+        return False
+
+    def _news(self, queued: Sequence[JobRecord]) -> set[str]:
+        """The ids of these queued jobs that are new or changed beyond being audited."""
+        news: set[str] = set()
+        for job in queued:
+            held = self.index.get(job.job_id)
+            if held is None or dataclasses.replace(held, wait_audited=job.wait_audited) != job:
+                news.add(job.job_id)
+        return news
 
     async def refresh(self, uow: UnitOfWork) -> set[str]:
         mark = await store.change_mark(uow)
@@ -96,11 +119,8 @@ class QueuedJobs:
             queued, gone = await store.queued_now(uow), set[str]()
         else:
             queued, gone = await store.jobs_changed_since(uow, self._mark)
-        changed: set[str] = set()
+        changed = self._news(queued)
         for job in queued:
-            held = self.index.get(job.job_id)
-            if held is None or dataclasses.replace(held, wait_audited=job.wait_audited) != job:
-                changed.add(job.job_id)
             self.index.put(job)
         for job_id in gone:
             self.index.drop(job_id)
