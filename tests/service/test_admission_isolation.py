@@ -19,7 +19,7 @@ import pytest
 from tests.support.admission import SMALL_CLUSTER, Admission, Client, with_inventory
 from tests.support.waiting import eventually
 
-from gpusched.admission import scheduler as scheduler_module
+from gpusched.admission import planning as planning_module
 from gpusched.admission.app import SCHEMA
 from gpusched.admission.parking import PARKED
 from gpusched.contracts.messages import (
@@ -104,7 +104,7 @@ async def test_a_job_whose_stored_row_cannot_be_read_is_parked_and_the_queue_goe
 async def test_a_job_whose_placement_raises_is_parked_and_a_job_after_it_is_placed(
     admission: Admission, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_find = scheduler_module.find
+    real_find = planning_module.find
 
     def find(*args: Any, **kwargs: Any) -> Any:
         job = args[2]
@@ -112,7 +112,7 @@ async def test_a_job_whose_placement_raises_is_parked_and_a_job_after_it_is_plac
             raise ZeroDivisionError("a bug on this job's path")
         return real_find(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "find", find)
+    monkeypatch.setattr(planning_module, "find", find)
     bad = await client.submitted(name="boom", gpus={"count": 1})
     job = await client.job_in(bad, "parked")
     assert job["parked_reason"] == (
@@ -125,7 +125,7 @@ async def test_a_job_whose_placement_raises_is_parked_and_a_job_after_it_is_plac
     assert f"gpusched approve {bad}" in reasons[1] and f"gpusched cancel {bad}" in reasons[1]
 
     # Fixed: an operator's approve retries it, and it is placed.
-    monkeypatch.setattr(scheduler_module, "find", real_find)
+    monkeypatch.setattr(planning_module, "find", real_find)
     body = {"job_id": bad, "operator": "alice", "reason": "fixed"}
     approved = await client.request(client.s.api_jobs_approve, json.dumps(body).encode())
     assert approved["ok"], approved
@@ -372,14 +372,14 @@ async def test_a_running_service_whose_top_up_raises_keeps_its_replicas_and_is_p
         return job if job["state"] == "running" and job["replicas"]["placed"] == 2 else None
 
     await eventually(two, within=20)
-    real_find = scheduler_module.find
+    real_find = planning_module.find
 
     def find(*args: Any, **kwargs: Any) -> Any:
         if args[2].job_id == job_id:
             raise KeyError("a bug in the top-up")
         return real_find(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "find", find)
+    monkeypatch.setattr(planning_module, "find", find)
     training = await client.submitted(gpus={"count": 2})
     await client.job_in(training, "running")
     [audit] = await client.audits("replica.topup_failed", job_id, 1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import NodeReply, NodeVerb, T
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
@@ -29,11 +30,15 @@ from gpusched.infra.settings import Settings
 from . import parking
 from .cancel import CancelOps
 from .catalog import Catalog
+from .commands import LedgerCommands
 from .credentials import JobCredentials
-from .handlers import Admission, load_inventory_once
+from .handlers import load_inventory_once
+from .jobs import JobsApi
 from .keeper import LedgerKeeper
 from .mig import MigDeadlines, MigModes
 from .nodes import NodeOps
+from .outcomes import Outcomes
+from .queue import Clock
 from .replicas import Backoff, ReplicaOps
 from .scheduler import Scheduler
 
@@ -91,14 +96,16 @@ def read_quotas(path: Path | None) -> QuotaBook | None:
 
 @dataclass(frozen=True)
 class AdmissionService:
-    handlers: Admission
+    jobs: JobsApi
     scheduler: Scheduler
     keeper: LedgerKeeper
     nodes: NodeOps
 
 
-async def assemble(rt: ServiceRuntime) -> AdmissionService:
-    """Load (or restore) the ledger and register the service's endpoints, consumers, loop."""
+async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionService:
+    """Load (or restore) the ledger and register the service's endpoints, consumers, loop.
+
+    ``clock``: where every part of the service reads the time."""
     settings = rt.settings.admission
     await load_inventory_once(rt.uow, lambda: read_inventory(settings.inventory_path))
     keeper = LedgerKeeper()
@@ -113,7 +120,7 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         timedelta(seconds=settings.mig_change_interval_s),
         process_without_quotas=settings.allow_process_workloads_without_quotas,
     )
-    credentials = JobCredentials.from_settings(rt.settings)
+    credentials = JobCredentials.from_settings(rt.settings, clock)
     scheduler = Scheduler(
         rt.uow,
         keeper,
@@ -122,23 +129,31 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
         reserve_after=timedelta(seconds=settings.reserve_after_s),
         starve_after=timedelta(seconds=settings.starve_after_s),
         credentials=credentials,
+        clock=clock,
     )
     backoff = Backoff(
         timedelta(seconds=settings.replica_restart_first_s),
         timedelta(seconds=settings.replica_restart_longest_s),
     )
-    handlers = Admission(rt.uow, keeper, catalog, scheduler.kick, backoff)
+    jobs = JobsApi(rt.uow, keeper, catalog, scheduler.kick, clock)
+    commands = LedgerCommands(keeper, scheduler.kick)
+    outcomes = Outcomes(keeper, scheduler.kick, backoff, clock)
     nodes = NodeOps(
-        rt.uow, keeper, catalog, scheduler.kick, lambda: read_inventory(settings.inventory_path)
+        rt.uow,
+        keeper,
+        catalog,
+        scheduler.kick,
+        lambda: read_inventory(settings.inventory_path),
+        clock,
     )
 
     s = rt.subjects
-    rt.serve(s.api_jobs_submit, handlers.submit)
-    rt.serve(s.api_jobs_get, handlers.get)
-    rt.serve(s.api_jobs_approve, handlers.approve)
-    rt.serve(s.api_jobs_why, handlers.why)
-    rt.serve(s.api_jobs_scale, ReplicaOps(rt.uow, keeper, scheduler.kick).scale)
-    rt.serve(s.api_jobs_cancel, CancelOps(rt.uow, keeper, scheduler.kick).cancel)
+    rt.serve(s.api_jobs_submit, jobs.submit)
+    rt.serve(s.api_jobs_get, jobs.get)
+    rt.serve(s.api_jobs_approve, jobs.approve)
+    rt.serve(s.api_jobs_why, jobs.why)
+    rt.serve(s.api_jobs_scale, ReplicaOps(rt.uow, keeper, scheduler.kick, clock).scale)
+    rt.serve(s.api_jobs_cancel, CancelOps(rt.uow, keeper, scheduler.kick, clock).cancel)
     for verb, endpoint in {
         NodeVerb.ADD: nodes.add,
         NodeVerb.RELOAD: nodes.reload,
@@ -161,8 +176,8 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
             stream=s.stream("COMMANDS"),
             subjects=[s.commands_for(NAME)],
             handlers={
-                T.RESERVE_FOR_INFERENCE: handlers.on_reserve_for_inference,
-                T.RETURN_TO_SHARED: handlers.on_return_to_shared,
+                T.RESERVE_FOR_INFERENCE: commands.on_reserve_for_inference,
+                T.RETURN_TO_SHARED: commands.on_return_to_shared,
             },
         )
     )
@@ -172,15 +187,15 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
             stream=s.stream("EVENTS"),
             subjects=[s.events_of("agent"), s.events_of("checkpoint")],
             handlers={
-                T.WORKLOAD_STARTED: handlers.on_workload_started,
-                T.WORKLOAD_STOPPED: handlers.on_workload_stopped,
-                T.AGENT_READY: handlers.on_agent_ready,
-                T.EVICTION_COMPLETED: handlers.on_eviction_completed,
-                T.EVICTION_FORCED: handlers.on_eviction_forced,
-                T.EVICTION_ABORTED: handlers.on_eviction_aborted,
-                T.EVICTION_CANCELLED: handlers.on_eviction_cancelled,
-                T.MIG_CONFIGURED: handlers.on_mig_configured,
-                T.MIG_CONFIGURE_FAILED: handlers.on_mig_configure_failed,
+                T.WORKLOAD_STARTED: outcomes.on_workload_started,
+                T.WORKLOAD_STOPPED: outcomes.on_workload_stopped,
+                T.AGENT_READY: outcomes.on_agent_ready,
+                T.EVICTION_COMPLETED: outcomes.on_eviction_completed,
+                T.EVICTION_FORCED: outcomes.on_eviction_forced,
+                T.EVICTION_ABORTED: outcomes.on_eviction_aborted,
+                T.EVICTION_CANCELLED: outcomes.on_eviction_cancelled,
+                T.MIG_CONFIGURED: outcomes.on_mig_configured,
+                T.MIG_CONFIGURE_FAILED: outcomes.on_mig_configure_failed,
                 T.NODE_HEALTH: nodes.on_node_health,
                 # Verified checkpoints only, never the jobs' raw claims (DESIGN §5).
                 T.CHECKPOINT_VERIFIED: nodes.on_checkpoint_verified,
@@ -204,16 +219,17 @@ async def assemble(rt: ServiceRuntime) -> AdmissionService:
             ModeSchedule(settings.mig_day_start, settings.mig_day_end),
             timedelta(seconds=settings.mig_change_interval_s),
             scheduler.kick,
+            clock,
         )
         rt.every("mig-modes", settings.mig_reconcile_interval_s, modes.tick, singleton=True)
     deadlines = MigDeadlines(
-        rt.uow, keeper, timedelta(seconds=settings.mig_apply_timeout_s), scheduler.kick
+        rt.uow, keeper, timedelta(seconds=settings.mig_apply_timeout_s), scheduler.kick, clock
     )
     # Looks a few times per timeout, so a change is failed soon after its deadline.
     every = min(settings.mig_apply_timeout_s / 4, settings.mig_reconcile_interval_s)
     rt.every("mig-deadlines", every, deadlines.tick, singleton=True)
     scheduler.kick()  # jobs queued before this start are placed at once
-    return AdmissionService(handlers, scheduler, keeper, nodes)
+    return AdmissionService(jobs, scheduler, keeper, nodes)
 
 
 async def build(rt: ServiceRuntime) -> None:

@@ -26,7 +26,7 @@ from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from . import parking, store
 from .catalog import ErrorCode, refuse
 from .keeper import LedgerKeeper
-from .queue import FINISHED, JobState
+from .queue import FINISHED, Clock, JobState
 
 
 def saga_id(job_id: str) -> str:
@@ -42,8 +42,13 @@ class CancelOps:
     """The cancel request (`<p>.api.jobs.cancel`)."""
 
     def __init__(
-        self, uow: UnitOfWorkFactory, keeper: LedgerKeeper, kick: Callable[[], None]
+        self,
+        uow: UnitOfWorkFactory,
+        keeper: LedgerKeeper,
+        kick: Callable[[], None],
+        clock: Clock = utcnow,
     ) -> None:
+        self._clock = clock
         self._uow = uow
         self._keeper = keeper
         self._kick = kick
@@ -78,7 +83,7 @@ class CancelOps:
                 )
             if state == JobState.CANCELLING:
                 return CancelReply(ok=True, job_id=request.job_id, state=state)
-            now = utcnow()
+            now = self._clock()
             live = await store.live_allocations_of(uow, request.job_id)
             reason = who_and_why(request)
             details = {

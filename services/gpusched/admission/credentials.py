@@ -22,6 +22,8 @@ from gpusched.infra.db import Outgoing, UnitOfWorkFactory
 from gpusched.infra.natsauth import Identity, Issuer, job_user_name
 from gpusched.infra.settings import Settings
 
+from .queue import Clock
+
 if TYPE_CHECKING:
     from .keeper import LedgerKeeper
 
@@ -37,16 +39,19 @@ class Issued:
 
 
 class JobCredentials:
-    def __init__(self, issuer: Issuer | None, prefix: str, ttl_s: float) -> None:
+    def __init__(
+        self, issuer: Issuer | None, prefix: str, ttl_s: float, clock: Clock = utcnow
+    ) -> None:
+        self._clock = clock
         self._issuer = issuer
         self._prefix = prefix
         self._ttl_s = ttl_s
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> JobCredentials:
+    def from_settings(cls, settings: Settings, clock: Clock = utcnow) -> JobCredentials:
         key = settings.security.job_signing_key
         issuer = None if key is None else Issuer.from_seed_file(key, scoped=True)
-        return cls(issuer, settings.subject_prefix, settings.security.job_credential_ttl_s)
+        return cls(issuer, settings.subject_prefix, settings.security.job_credential_ttl_s, clock)
 
     @property
     def enabled(self) -> bool:
@@ -59,7 +64,7 @@ class JobCredentials:
     def issue(self, job_id: str, now: datetime | None = None) -> Issued | None:
         if self._issuer is None:
             return None
-        at = now or utcnow()
+        at = now or self._clock()
         identity = Identity(job_user_name(self._prefix, job_id), ttl_s=self._ttl_s)
         creds = self._issuer.creds(identity, now=at.timestamp())
         return Issued(creds, at + timedelta(seconds=self._ttl_s))
@@ -68,7 +73,7 @@ class JobCredentials:
         """One round: fresh credentials for every live allocation, in one commit."""
         if self._issuer is None:
             return
-        now = utcnow()
+        now = self._clock()
         subject = Subjects(self._prefix).command("agent", T.RENEW_CREDENTIALS)
         async with uow() as unit:
             ledger = await keeper.read(unit)

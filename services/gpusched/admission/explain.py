@@ -7,19 +7,15 @@ in, a placement or reasons out.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from gpusched.domain.ledger import Ledger, Placement, PlacementRequest, default_pools
-from gpusched.domain.quota import dominant_shares
 
 from .catalog import Catalog
-from .queue import placement_rank
+from .queue import FairOrder, QueueIndex, Usage
 from .store import JobRecord
-
-Usage = dict[tuple[str, str], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,30 +127,10 @@ def reservation_target(
 
 
 def fair_order(jobs: Sequence[JobRecord], ledger: Ledger, usage: Usage) -> Iterator[JobRecord]:
-    """Queued jobs by priority class, then DRF across teams, then first in first out.
+    """Queued jobs in the scheduling pass's order (see queue.FairOrder): by priority
+    class, then DRF across teams, then first in first out.
 
     Lazily: between two jobs the caller may add a placement to ``usage``, and the next
     pick sees the team's new dominant share.
     """
-    capacity: dict[str, int] = {}
-    for slot in ledger.gpus:
-        capacity[slot.model] = capacity.get(slot.model, 0) + 1
-    by_rank: dict[int, dict[str, deque[JobRecord]]] = {}
-    for job in sorted(jobs, key=lambda job: (job.submitted_at, job.job_id)):
-        teams = by_rank.setdefault(placement_rank(job.priority_class), {})
-        teams.setdefault(job.spec.team, deque()).append(job)
-    for rank in sorted(by_rank):
-        teams = by_rank[rank]
-        while teams:
-            shares = dominant_shares(usage, capacity)
-            team = min(
-                teams,
-                key=lambda name: (
-                    shares.get(name, 0.0),
-                    teams[name][0].submitted_at,
-                    teams[name][0].job_id,
-                ),
-            )
-            yield teams[team].popleft()
-            if not teams[team]:
-                del teams[team]
+    return iter(FairOrder.of(QueueIndex(jobs), ledger, usage))

@@ -33,6 +33,7 @@ from gpusched.infra.errors import is_outage
 
 from .keeper import LedgerKeeper
 from .parking import SKIPPED
+from .queue import Clock
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,9 @@ class MigModes:
         schedule: ModeSchedule,
         interval: timedelta,
         kick: Callable[[], None],
+        clock: Clock = utcnow,
     ) -> None:
+        self._clock = clock
         self._uow = uow
         self._keeper = keeper
         self._schedule = schedule
@@ -203,7 +206,7 @@ class MigModes:
         """One reconciliation; returns how many layouts changed. Each GPU is changed in
         a transaction of its own: one that fails is skipped (audited, counted) and the
         others still change."""
-        now = utcnow()
+        now = self._clock()
         mode = self._schedule.mode_at(now)
         async with self._uow() as uow:
             due = due_changes(await self._keeper.read(uow), mode, now, self._interval)
@@ -244,7 +247,9 @@ class MigDeadlines:
         keeper: LedgerKeeper,
         timeout: timedelta,
         kick: Callable[[], None],
+        clock: Clock = utcnow,
     ) -> None:
+        self._clock = clock
         self._uow = uow
         self._keeper = keeper
         self._timeout = timeout
@@ -256,7 +261,7 @@ class MigDeadlines:
     async def expire(self) -> int:
         """Fail the overdue changes; returns how many. Each GPU in a transaction of its
         own: one that fails is skipped (audited, counted), the others still expire."""
-        now = utcnow()
+        now = self._clock()
         async with self._uow() as uow:
             refs = overdue(await self._keeper.read(uow), now, self._timeout)
         error = f"no report from the cluster agent within {self._timeout.total_seconds():g} s"

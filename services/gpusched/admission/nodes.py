@@ -48,7 +48,7 @@ from gpusched.infra.errors import is_outage
 from . import parking, replicas, store, wire
 from .catalog import Catalog
 from .keeper import LedgerKeeper
-from .queue import JobState
+from .queue import Clock, JobState
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,9 @@ class NodeOps:
         catalog: Catalog,
         kick: Callable[[], None],
         read_inventory: Callable[[], Inventory],
+        clock: Clock = utcnow,
     ) -> None:
+        self._clock = clock
         self._uow = uow
         self._keeper = keeper
         self._catalog = catalog
@@ -279,7 +281,7 @@ class NodeOps:
         if change is NodeChange.FAILED:
             failure = await self._end_everything_on(uow, ledger, node, causation_id)
         ledger.set_condition(node, target)
-        now = utcnow()
+        now = self._clock()
         await store.set_node_state(uow, node, target, now)
         spec = self._keeper.inventory.node(node)
         await self._announce(uow, change, spec, _STATE[target], reason, causation_id, failure)
@@ -290,7 +292,7 @@ class NodeOps:
         """A failed node runs nothing: every allocation on it ends (training is requeued
         from its newest checkpoint, inference re-placed), and GPUs lent to inference
         there go back, so the controller can lend others."""
-        now = utcnow()
+        now = self._clock()
         ended: list[str] = []
         lost_total = 0.0
         for allocation in ledger.allocations_on_node(node):
@@ -334,7 +336,7 @@ class NodeOps:
         for spec in specs:
             if spec.name in known:
                 raise NodeRefused(NodeErrorCode.DUPLICATE_NODE, f"node {spec.name} already exists")
-        now = utcnow()
+        now = self._clock()
         for spec in specs:
             ledger.add_node(spec)
             await store.insert_node(uow, spec, now)

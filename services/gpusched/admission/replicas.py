@@ -41,7 +41,7 @@ from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from . import store, wire
 from .catalog import ErrorCode, refuse
 from .keeper import LedgerKeeper
-from .queue import JobState
+from .queue import Clock, JobState
 
 G = TypeVar("G")
 
@@ -260,8 +260,13 @@ class ReplicaOps:
     """The scale request (`<p>.api.jobs.scale`)."""
 
     def __init__(
-        self, uow: UnitOfWorkFactory, keeper: LedgerKeeper, kick: Callable[[], None]
+        self,
+        uow: UnitOfWorkFactory,
+        keeper: LedgerKeeper,
+        kick: Callable[[], None],
+        clock: Clock = utcnow,
     ) -> None:
+        self._clock = clock
         self._uow = uow
         self._keeper = keeper
         self._kick = kick
@@ -301,7 +306,7 @@ class ReplicaOps:
                         f"range [{replicas.min}, {replicas.max}]",
                     ),
                 )
-            now = utcnow()
+            now = self._clock()
             live = live_replicas(ledger, job.job_id)
             before = job.replicas_wanted
             await store.set_replica_target(uow, job.job_id, request.replicas, now)

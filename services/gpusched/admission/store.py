@@ -92,13 +92,6 @@ class AllocationRecord:
         return self.released_at is None
 
 
-@dataclass(frozen=True, slots=True)
-class QueueProbe:
-    queued: int
-    unexamined: int  # queued jobs no scheduling pass has looked at since they were queued
-    ledger_version: int
-
-
 def _t(uow: UnitOfWork, table: str) -> str:
     return f"{uow.schema}.{table}"
 
@@ -125,31 +118,9 @@ async def set_ledger_version(uow: UnitOfWork, version: int) -> None:
     )
 
 
-async def queue_probe(uow: UnitOfWork) -> QueueProbe:
-    row = (
-        await uow.execute(
-            f"SELECT count(*) AS queued, count(*) FILTER (WHERE NOT wait_audited) AS unexamined, "
-            f"(SELECT version FROM {_t(uow, 'ledger_state')} WHERE id = 1) AS version "
-            f"FROM {_t(uow, 'jobs')} WHERE state = :queued",
-            {"queued": JobState.QUEUED},
-        )
-    ).one()
-    return QueueProbe(int(row.queued), int(row.unexamined), int(row.version))
-
-
-async def short_services(uow: UnitOfWork, now: datetime) -> int:
-    """Running inference services with fewer live replicas than their target whose
-    restart back-off (if any) is over: what an idle scheduler tick still has to place."""
-    # The state a literal, so the planner walks the partial index jobs_running_services.
-    result = await uow.execute(
-        f"SELECT count(*) FROM {_t(uow, 'jobs')} j WHERE j.state = '{JobState.RUNNING}' "
-        "AND jsonb_typeof(j.spec->'replicas') = 'object' "
-        "AND (j.replica_restart_at IS NULL OR j.replica_restart_at <= :now) "
-        f"AND (SELECT count(*) FROM {_t(uow, 'allocations')} a "
-        "WHERE a.job_id = j.job_id AND a.released_at IS NULL) "
-        "< coalesce(j.replica_target, (j.spec->'replicas'->>'max')::int)",
-        {"now": now},
-    )
+async def ledger_version(uow: UnitOfWork) -> int:
+    """The committed ledger version, without taking the ledger lock."""
+    result = await uow.execute(f"SELECT version FROM {_t(uow, 'ledger_state')} WHERE id = 1")
     return int(result.scalar_one())
 
 
@@ -562,27 +533,43 @@ async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
     return [_job(row) for row in rows]
 
 
-async def queued_versions(uow: UnitOfWork) -> list[tuple[str, str]]:
-    """(job_id, row version) of the queued jobs in submission order. The version is the
-    row's xmin: any committed change to the row, by any replica, gives it a new one."""
-    rows = await uow.execute(
-        f"SELECT job_id, xmin::text AS version FROM {_t(uow, 'jobs')} WHERE state = :queued "
-        "ORDER BY submitted_at, job_id",
-        {"queued": JobState.QUEUED},
-    )
-    return [(row.job_id, row.version) for row in rows]
+async def change_mark(uow: UnitOfWork) -> int:
+    """The oldest transaction still running now: every job change by an older one is
+    committed (or rolled back) and visible to any later statement."""
+    result = await uow.execute("SELECT txid_snapshot_xmin(txid_current_snapshot())")
+    return int(result.scalar_one())
 
 
-async def queued_by_id(uow: UnitOfWork, job_ids: Sequence[str]) -> dict[str, tuple[str, JobRecord]]:
-    """These jobs, with their row versions, if they are still queued."""
-    if not job_ids:
-        return {}
+async def queued_now(uow: UnitOfWork) -> list[JobRecord]:
+    """Every queued job (the in-memory queue's first load)."""
     rows = await uow.execute(
-        f"SELECT *, xmin::text AS version FROM {_t(uow, 'jobs')} "
-        "WHERE job_id = ANY(:ids) AND state = :queued",
-        {"ids": list(job_ids), "queued": JobState.QUEUED},
+        f"SELECT * FROM {_t(uow, 'jobs')} WHERE state = :queued", {"queued": JobState.QUEUED}
     )
-    return {row.job_id: (row.version, _job(row)) for row in rows}
+    return [_job(row) for row in rows]
+
+
+async def jobs_changed_since(uow: UnitOfWork, mark: int) -> tuple[list[JobRecord], set[str]]:
+    """The jobs changed by transactions from ``mark`` (a ``change_mark``) on: those queued
+    now, parsed, and the ids of the others (they left the queue, or never were in it)."""
+    rows = await uow.execute(
+        f"SELECT * FROM {_t(uow, 'jobs')} WHERE changed_xid >= :mark", {"mark": mark}
+    )
+    queued: list[JobRecord] = []
+    others: set[str] = set()
+    for row in rows:
+        if row.state == JobState.QUEUED:
+            queued.append(_job(row))
+        else:
+            others.add(row.job_id)
+    return queued, others
+
+
+async def any_changed_since(uow: UnitOfWork, mark: int) -> bool:
+    result = await uow.execute(
+        f"SELECT EXISTS (SELECT 1 FROM {_t(uow, 'jobs')} WHERE changed_xid >= :mark)",
+        {"mark": mark},
+    )
+    return bool(result.scalar_one())
 
 
 async def count_jobs(uow: UnitOfWork) -> int:

@@ -139,7 +139,7 @@ def upgrade() -> None:
         f"CREATE INDEX allocations_live ON {s}.allocations (allocation_id) "
         "WHERE released_at IS NULL"
     )
-    # A service's live replicas, counted by each idle scheduling tick (store.short_services).
+    # A service's live replicas, counted when the scheduling pass tops services up.
     op.execute(
         f"CREATE INDEX allocations_live_by_job ON {s}.allocations (job_id) "
         "WHERE released_at IS NULL"

@@ -1,0 +1,293 @@
+"""Admission under a submit load with a deep queue: submit latency and the pass's cost.
+
+The admission service runs as its own process (as `gpusched up` runs it) on the run's
+NATS and a fresh database. Before it starts, the bench stores ``BENCH_ADMISSION_QUEUED``
+queued jobs straight into its database (as if submitted earlier): the first 8 ask one
+GPU each and take the cluster's only node (8 GPUs), the others (4 teams, 3 priority
+classes, 1-8 GPUs) cannot be placed, so the queue stays that deep for the whole run.
+Once the service has examined them all, the bench submits open loop at
+``BENCH_ADMISSION_RATE`` per second for ``BENCH_ADMISSION_SECONDS`` (jobs that do not
+fit either, so every one is a queue change a pass must look at), each submit timed from
+its scheduled send to its reply. Baseline: raw NATS request/reply to a responder that
+only answers, at the same rate, on the same server, in the same run.
+
+The scheduling-pass figures come from the service's /metrics: the time of the passes
+that ran during the load over the queued jobs they found new or changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from bench.harness import Context, Figure, percentile
+from gpusched.admission import store
+from gpusched.admission.app import NAME as ADMISSION
+from gpusched.admission.app import SCHEMA
+from gpusched.admission.queue import JobState, new_job_id
+from gpusched.cli.stack import Stack, prepare
+from gpusched.contracts.messages import SubmitJob
+from gpusched.contracts.subjects import Subjects
+from gpusched.infra.db import UnitOfWorkFactory, create_engine
+from gpusched.infra.embedded import free_port
+from gpusched.infra.settings import Settings
+
+NAME = "admission"
+QUEUED = int(os.environ.get("BENCH_ADMISSION_QUEUED", "50000"))
+RATE = float(os.environ.get("BENCH_ADMISSION_RATE", "300"))
+SECONDS = float(os.environ.get("BENCH_ADMISSION_SECONDS", "60"))
+BASELINE_SECONDS = float(os.environ.get("BENCH_ADMISSION_BASELINE_SECONDS", "10"))
+GOAL_P99_MS = 100.0
+NODE_GPUS = 8
+TEAMS = ("vision", "speech", "ranking", "research")
+CLASSES = ("p0-urgent", "p1-normal", "p2-offline")
+# The first pass after the start examines the whole queue (and audits every job as
+# waiting): the load starts once it is done.
+SETTLE_S = 600.0
+REQUEST_TIMEOUT_S = 10.0
+INSERT_BATCH = 5000
+SEED = 11
+PASS = "gpusched_admission_pass_seconds"
+
+
+def _inventory() -> str:
+    return (
+        "nodes:\n  - {name: shared-00, pool: shared, gpu_model: A100-80GB, "
+        f"gpus: {NODE_GPUS}, cpu_milli: 256000, memory_mib: 2097152}}\n"
+    )
+
+
+def _job(rng: random.Random, number: int) -> SubmitJob:
+    """A job that waits behind the full cluster (the first NODE_GPUS fill it)."""
+    gpus = 1 if number < NODE_GPUS else rng.randint(1, NODE_GPUS)
+    return SubmitJob.model_validate(
+        {
+            "name": f"fill-{number}",
+            "team": TEAMS[number % len(TEAMS)],
+            "priority_class": CLASSES[number % len(CLASSES)],
+            "gpus": {"count": gpus},
+        }
+    )
+
+
+async def fill(settings: Settings, count: int) -> None:
+    """Store ``count`` queued jobs, oldest first, in a few large transactions."""
+    engine = create_engine(settings.database_url or "")
+    uow = UnitOfWorkFactory(engine, SCHEMA, "bench", Subjects(settings.subject_prefix))
+    rng = random.Random(SEED)
+    start = datetime.now(UTC) - timedelta(seconds=count)
+    try:
+        for first in range(0, count, INSERT_BATCH):
+            jobs = [
+                store.NewJob(
+                    new_job_id(),
+                    _job(rng, n),
+                    (),
+                    start + timedelta(seconds=n),
+                    JobState.QUEUED,
+                    {},
+                )
+                for n in range(first, min(first + INSERT_BATCH, count))
+            ]
+            async with uow() as unit:
+                await store.insert_jobs(unit, jobs)
+                await unit.commit()
+    finally:
+        await engine.dispose()
+
+
+async def unexamined(settings: Settings) -> int:
+    """Queued jobs no pass has looked at yet, and outbox rows not yet published."""
+    engine = create_engine(settings.database_url or "")
+    uow = UnitOfWorkFactory(engine, SCHEMA, "bench", Subjects(settings.subject_prefix))
+    try:
+        async with uow() as unit:
+            result = await unit.execute(
+                f"SELECT (SELECT count(*) FROM {SCHEMA}.jobs WHERE state = 'queued' "
+                f"AND NOT wait_audited) + (SELECT count(*) FROM {SCHEMA}.outbox)"
+            )
+            return int(result.scalar_one())
+    finally:
+        await engine.dispose()
+
+
+@dataclass
+class Load:
+    latencies_ms: list[float]
+    failed: int
+    elapsed_s: float
+    # (seconds into the load, latency in ms) of each answered request, in answer order.
+    timeline: list[tuple[float, float]]
+
+    def windows(self, seconds: float = 10.0) -> str:
+        """p99 per window of the load, to tell a steady tail from a few stalls."""
+        by_window: dict[int, list[float]] = {}
+        for at, ms in self.timeline:
+            by_window.setdefault(int(at // seconds), []).append(ms)
+        return ", ".join(
+            f"{int(w * seconds)}s: {percentile(values, 99):.0f}"
+            for w, values in sorted(by_window.items())
+        )
+
+
+async def paced(
+    nc: NatsClient, subject: str, body: Callable[[int], bytes], rate: float, seconds: float
+) -> Load:
+    """Requests sent on a fixed schedule (open loop: a slow reply does not delay the next
+    send), each timed from its scheduled send to its reply."""
+    count = max(1, int(rate * seconds))
+    latencies: list[float] = []
+    timeline: list[tuple[float, float]] = []
+    failed = 0
+    start = time.perf_counter() + 0.05
+
+    async def one(number: int) -> None:
+        nonlocal failed
+        at = start + number / rate
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        try:
+            reply = await nc.request(subject, body(number), timeout=REQUEST_TIMEOUT_S)
+        except Exception:
+            failed += 1
+            return
+        if not json.loads(reply.data).get("ok"):
+            failed += 1
+            return
+        latencies.append((time.perf_counter() - at) * 1000)
+        timeline.append((at - start, latencies[-1]))
+
+    await asyncio.gather(*(one(n) for n in range(count)))
+    return Load(latencies, failed, time.perf_counter() - start, timeline)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The service's Prometheus samples (name with labels -> value)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+async def _until(check: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{NAME}: {what} within {within:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+async def run(ctx: Context) -> list[Figure]:
+    inventory = ctx.scratch / "admission-inventory.yaml"
+    inventory.write_text(_inventory())
+    settings = Settings(
+        nats_url=ctx.nats_url,
+        database_url=await ctx.create_database("bench_admission"),
+        subject_prefix=f"bench{uuid.uuid4().hex[:8]}",
+        data_dir=ctx.scratch / "admission",
+    )
+    await prepare(settings, (ADMISSION,))
+    ctx.progress(f"{NAME}: storing {QUEUED} queued jobs")
+    await fill(settings, QUEUED)
+    port = free_port()
+    stack = Stack(
+        settings,
+        services=(ADMISSION,),
+        env={
+            "GPUSCHED_LOG_LEVEL": "WARNING",
+            "GPUSCHED_ADMISSION__INVENTORY_PATH": str(inventory),
+            "GPUSCHED_METRICS_PORT": str(port),
+        },
+        log_dir=ctx.scratch / "admission-logs",
+    )
+    ctx.progress(f"{NAME}: starting the admission service")
+    await asyncio.to_thread(stack.start)
+    nc = await nats.connect(ctx.nats_url, name="bench-admission")
+    s = Subjects(settings.subject_prefix)
+    try:
+        t0 = time.perf_counter()
+
+        async def settled() -> bool:
+            return await unexamined(settings) == 0
+
+        await _until(settled, SETTLE_S, "the service did not examine the stored queue")
+        ctx.progress(f"{NAME}: the first pass over the queue took {time.perf_counter() - t0:.1f} s")
+
+        ctx.progress(f"{NAME}: raw request/reply at {RATE:g}/s for {BASELINE_SECONDS:g} s")
+        echo_subject = f"{s.prefix}.bench.echo"
+
+        async def echo(msg: Msg) -> None:
+            await msg.respond(b'{"ok": true}')
+
+        sub = await nc.subscribe(echo_subject, cb=echo)
+        baseline = await paced(nc, echo_subject, lambda _: b"{}", RATE, BASELINE_SECONDS)
+        await sub.unsubscribe()
+
+        rng = random.Random(SEED + 1)
+        bodies = [
+            json.dumps(
+                {
+                    "name": f"load-{n}",
+                    "team": rng.choice(TEAMS),
+                    "priority_class": rng.choice(CLASSES),
+                    "gpus": {"count": rng.randint(1, NODE_GPUS)},
+                }
+            ).encode()
+            for n in range(int(RATE * SECONDS) + 1)
+        ]
+        before = scrape(port)
+        ctx.progress(f"{NAME}: submits at {RATE:g}/s for {SECONDS:g} s, {QUEUED} queued")
+        load = await paced(nc, s.api_jobs_submit, bodies.__getitem__, RATE, SECONDS)
+        after = scrape(port)
+    finally:
+        await nc.close()
+        await asyncio.to_thread(stack.stop)
+
+    def grew(name: str) -> float:
+        """How much a metric grew during the load, summed over its labels."""
+
+        def total(samples: dict[str, float]) -> float:
+            return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+        return total(after) - total(before)
+
+    passes = grew(f"{PASS}_count")
+    pass_s = grew(f"{PASS}_sum")
+    changed = grew("gpusched_admission_pass_changed_jobs_total")
+    lat = load.latencies_ms
+    ctx.progress(
+        f"{NAME}: {len(lat)} submits answered, {load.failed} failed; {passes:.0f} passes "
+        f"took {pass_s:.1f} s for {changed:.0f} changed jobs; p99 ms by 10 s: {load.windows()}"
+    )
+    base = baseline.latencies_ms
+    return [
+        Figure(NAME, "queued_jobs", QUEUED, "jobs"),
+        Figure(NAME, "offered_rate", RATE, "submits/s"),
+        Figure(NAME, "sustained_rate", len(lat) / load.elapsed_s, "submits/s",
+               len(base) / baseline.elapsed_s),
+        Figure(NAME, "submit_p50", percentile(lat, 50), "ms", percentile(base, 50)),
+        Figure(NAME, "submit_p99", percentile(lat, 99), "ms", percentile(base, 99)),
+        Figure(NAME, "submit_max", max(lat, default=float("nan")), "ms",
+               max(base, default=float("nan"))),
+        Figure(NAME, "submits_failed", load.failed, "submits", baseline.failed),
+        Figure(NAME, "passes", passes, "passes"),
+        Figure(NAME, "pass_time_per_changed_job", pass_s / changed * 1000 if changed else 0.0,
+               "ms"),
+        Figure(NAME, "pass_mean", pass_s / passes * 1000 if passes else 0.0, "ms"),
+        Figure(NAME, "full_passes", grew(f'{PASS}_count{{kind="full"}}'), "passes"),
+    ]  # fmt: skip
