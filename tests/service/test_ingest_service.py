@@ -461,3 +461,26 @@ async def test_two_replicas_split_the_nodes_and_the_pool_is_their_sum(settings: 
             rt0, lambda s: pools(s)["shared"].reporting_gpus == left, within=30
         )
         assert pools(alone)["shared"].gpus == 192
+
+
+async def test_a_replica_scrapes_the_exporters_of_its_inventory_into_the_snapshot(
+    settings: Settings,
+) -> None:
+    """The service wiring: with a URL template, ingest scrapes one dcgm-exporter per
+    node of the inventory (a real HTTP server here) and folds what it reads."""
+    from tests.support.dcgm import fixture_text, http_server, text
+
+    routes = {"/sh-1/metrics": text(fixture_text("sh-1"))}
+    async with http_server(routes) as base:
+        pulled = {
+            "scrape_url_template": base + "/{node}/metrics",
+            "scrape_interval_s": 0.5,
+            "scrape_timeout_s": 0.4,
+        }
+        async with running_ingest(settings, **pulled) as (runtime, _):
+            await admission_event(runtime, T.INVENTORY_LOADED, INVENTORY)
+            snapshot = await snapshot_where(
+                runtime, lambda s: pools(s)["shared"].reporting_gpus == 2
+            )
+            assert pools(snapshot)["shared"].util == pytest.approx((0.87 + 0.5) / 2)
+            assert pools(snapshot)["inference"].reporting_gpus == 0  # inf-1: 404, refused

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from gpusched.contracts.envelope import utcnow
-from gpusched.contracts.messages import T
+from gpusched.contracts.messages import GpuSample, T
+from gpusched.contracts.subjects import telemetry_partition
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
-from gpusched.infra.settings import Settings
-from gpusched.ingest import handlers
+from gpusched.infra.settings import IngestSettings, Settings
+from gpusched.ingest import handlers, promql, scrape
 from gpusched.ingest.fold import TelemetryFold
 
 NAME = handlers.NAME
@@ -37,6 +40,10 @@ async def build(rt: ServiceRuntime) -> TelemetryFold:
             await uow.commit()
 
     rt.every("telemetry-flush", settings.flush_interval_s, flush_tick)
+    # Pulled telemetry (docs/dcgm-input.md): dcgm-exporter scrapes or a Prometheus,
+    # folded into the same window.
+    if settings.scrape_targets_file or settings.scrape_url_template or settings.prometheus_url:
+        rt.background("telemetry-pull", lambda stop: pull_telemetry(fold, settings, stop))
     # Inference stats: a few messages a second per service, applied one at a time.
     rt.consume(
         bus.Consumer(
@@ -71,6 +78,33 @@ async def build(rt: ServiceRuntime) -> TelemetryFold:
 
     rt.every("pool-snapshot", settings.snapshot_interval_s, snapshot_tick, singleton=True)
     return fold
+
+
+async def pull_telemetry(
+    fold: TelemetryFold, settings: IngestSettings, stop: asyncio.Event
+) -> None:
+    """Scrape the exporters and/or query Prometheus until `stop`; each replica folds
+    only the nodes of its own partitions (and scrapes only those of the inventory)."""
+    owned = set(fold.partitions)
+
+    async def sink(samples: list[GpuSample]) -> dict[str, str]:
+        return fold.accept_samples([x for x in samples if telemetry_partition(x.node) in owned])
+
+    async def inventory_nodes() -> list[str]:
+        known = fold.membership.nodes if fold.membership is not None else {}
+        return [n for n in known if telemetry_partition(n) in owned]
+
+    async with scrape.client_session(
+        settings.scrape_concurrency, settings.scrape_interval_s
+    ) as session:
+        runs = []
+        targets = scrape.configured_targets(settings, inventory_nodes)
+        if targets is not None:
+            runs.append(scrape.Scraper.from_settings(session, sink, settings).run(targets, stop))
+        source = promql.PrometheusSource.from_settings(session, sink, settings)
+        if source is not None:
+            runs.append(source.run(stop))
+        await asyncio.gather(*runs)
 
 
 def main() -> None:
