@@ -202,6 +202,10 @@ class TelemetryFold:
     def accept_samples(self, samples: Sequence[GpuSample]) -> dict[str, str]:
         """Fold the samples of a scrape round (not the bus): the refused nodes and why.
         A scrape is no message to dead-letter; an unknown node is refused at once."""
+        if self.membership is None:  # a scrape before the replica's start finished
+            return {
+                x.node: "ingest is starting: the pool membership is not loaded yet" for x in samples
+            }
         now = utcnow()
         refused: dict[str, str] = {}
         for sample in samples:
