@@ -655,7 +655,34 @@ async def _first_of(*waits: Awaitable[object]) -> None:
             task.cancel()
 
 
-class _Lanes:
+class _InHand:
+    """What both kinds of lanes share: the fetched messages per key, the tasks applying
+    them, and the event a finished message sets."""
+
+    _queues: dict[str, deque[tuple[Msg, Envelope | None]]]
+    _tasks: set[asyncio.Task[None]]
+    _room: asyncio.Event
+
+    async def room(self) -> None:
+        """Wait until a message was finished."""
+        self._room.clear()
+        await self._room.wait()
+
+    def held(self) -> list[Msg]:
+        """Every fetched message not yet settled."""
+        return [msg for queue in self._queues.values() for msg, _ in queue]
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def cancel(self) -> None:
+        # Cancelled: the messages still in hand are redelivered after their ack wait.
+        for task in self._tasks:
+            task.cancel()
+
+
+class _Lanes(_InHand):
     """One FIFO lane per key, each drained by its own task; at most `concurrency`
     messages are being applied at once. A message that cannot be applied never stops
     its lane or the runner: it is left for redelivery."""
@@ -703,28 +730,11 @@ class _Lanes:
             self.waiting -= len(queue)
             del self._queues[key]
 
-    async def room(self) -> None:
-        """Wait until a lane finished a message."""
-        self._room.clear()
-        await self._room.wait()
-
-    def held(self) -> list[Msg]:
-        """Every fetched message not yet settled."""
-        return [msg for queue in self._queues.values() for msg, _ in queue]
-
-    async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
 
 _ApplyBatch = Callable[[list[tuple[Msg, Envelope | None]]], Awaitable[None]]
 
 
-class _BatchLanes:
+class _BatchLanes(_InHand):
     """`_Lanes` whose workers take the head messages of up to `batch` waiting lanes at
     a time: each key's messages still go one after another, in stream order, while up
     to `concurrency` batches of different keys are applied at once. Messages that
@@ -775,24 +785,6 @@ class _BatchLanes:
                 else:
                     del self._queues[key]
             self._room.set()
-
-    async def room(self) -> None:
-        """Wait until a worker finished a batch."""
-        self._room.clear()
-        await self._room.wait()
-
-    def held(self) -> list[Msg]:
-        """Every fetched message not yet settled."""
-        return [msg for queue in self._queues.values() for msg, _ in queue]
-
-    async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
-
-    def cancel(self) -> None:
-        # Cancelled: the messages still in hand are redelivered after their ack wait.
-        for task in self._tasks:
-            task.cancel()
 
 
 async def serve_requests(
