@@ -165,3 +165,37 @@ def test_a_job_with_an_unusable_tls_variable_is_told_which(
         JobEnvironment.from_environ(
             {EnvVar.NATS_URL: "tls://x:4222", EnvVar.JOB_ID: "job-1", variable: value}
         )
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("GPUSCHED_INGEST__REPLICA", "5", "replica 5 of 2: number the replicas 0..1"),
+        ("GPUSCHED_INGEST__FLUSH_INTERVAL_S", "inf", "Input should be a finite number"),
+        ("GPUSCHED_BUS__MAX_CLOCK_SKEW_S", "NaN", "Input should be a finite number"),
+    ],
+)
+def test_a_service_refuses_a_bad_setting_in_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    variable: str,
+    value: str,
+    said: str,
+) -> None:
+    monkeypatch.setenv("GPUSCHED_INGEST__REPLICAS", "2")
+    monkeypatch.setenv(variable, value)
+
+    assert main(["service", "ingest"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gpusched: {variable}: {said}; ")
+
+
+def test_a_service_without_its_servers_says_which_variables_to_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GPUSCHED_NATS_URL", raising=False)
+    monkeypatch.delenv("GPUSCHED_DATABASE_URL", raising=False)
+
+    assert main(["service", "ingest"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("gpusched: GPUSCHED_NATS_URL and GPUSCHED_DATABASE_URL must be set")

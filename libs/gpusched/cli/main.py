@@ -76,6 +76,13 @@ from gpusched.infra.settings import Settings
 from gpusched.infra.tls import nats_context
 
 
+def settings_error(exc: ValidationError) -> str:
+    """The environment variable a settings error is about, and what is wrong with it."""
+    where, message = first_error(exc)
+    variable = "GPUSCHED_" + where.upper().replace(".", "__")
+    return f"{variable}: {message}; set it right (or unset it for the default) and start again"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -83,6 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "service":
+        # A setting the service cannot start with is the operator's to fix: one line.
+        try:
+            Settings().require_urls()
+        except ValidationError as exc:
+            print(f"gpusched: {settings_error(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+        except RuntimeError as exc:
+            print(f"gpusched: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         # A service process: its log keeps the full traceback of a crash.
         code: int = args.run(args)
         return code

@@ -19,7 +19,8 @@ from gpusched.infra.tls import check_files
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and Infinity are no setting: an infinite interval would be a loop that never runs.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class BusSettings(Section):
@@ -258,7 +259,11 @@ class SecuritySettings(Section):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="GPUSCHED_", env_nested_delimiter="__", frozen=True, extra="ignore"
+        allow_inf_nan=False,
+        env_prefix="GPUSCHED_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="ignore",
     )
 
     nats_url: str | None = Field(default=None, description="external NATS; else embedded")
