@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Most tests wait on servers and processes more than they compute: run them in parallel
+# workers, each with its own embedded NATS and PostgreSQL.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-slow lint typecheck bench up clean system-tools
 
@@ -27,7 +30,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy libs/gpusched services/gpusched
 
 test: $(STAMP) system-tools lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
