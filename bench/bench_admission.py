@@ -192,6 +192,17 @@ async def paced(
     return Load(latencies, failed, time.perf_counter() - start, timeline)
 
 
+def run_queue_wait_s(pid: int | str) -> float:
+    """Seconds the process's main thread (its event loop) has spent runnable but waiting
+    for a CPU (Linux schedstat; NaN where there is none). On a machine shared with
+    other work this is the part of a stall no code change removes."""
+    try:
+        with open(f"/proc/{pid}/schedstat", encoding="ascii") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
 class LoopLag:
     """This process's own event-loop lag while it runs: a late client would show up as
     submit latency the service did not cause."""
@@ -385,10 +396,14 @@ async def run(ctx: Context) -> list[Figure]:
             for n in range(int(RATE * SECONDS) + 1)
         ]
         before = scrape(port)
+        service = stack.pid(ADMISSION) or 0
+        waited = (run_queue_wait_s(service), run_queue_wait_s("self"))
         ctx.progress(f"{NAME}: submits at {RATE:g}/s for {SECONDS:g} s, {QUEUED} queued")
         with LoopLag() as client:
             load = await paced(nc, s.api_jobs_submit, bodies.__getitem__, RATE, SECONDS)
         grew = Growth(before, scrape(port))
+        service_waited = run_queue_wait_s(service) - waited[0]
+        client_waited = run_queue_wait_s("self") - waited[1]
     finally:
         await nc.close()
         await asyncio.to_thread(stack.stop)
@@ -432,6 +447,9 @@ async def run(ctx: Context) -> list[Figure]:
                grew.total(f"{GC_PAUSE}_sum", generation="2") * 1000 / full_gcs
                if full_gcs else 0.0, "ms"),
         Figure(NAME, "client_loop_lag_max", max(client.lags_ms, default=math.nan), "ms"),
+        Figure(NAME, "service_cpu_wait_share", service_waited / load.elapsed_s, "fraction"),
+        Figure(NAME, "client_cpu_wait_share", client_waited / load.elapsed_s, "fraction"),
+        Figure(NAME, "machine_load_1m", os.getloadavg()[0], "runnable tasks"),
         Figure(NAME, "passes", passes, "passes"),
         Figure(NAME, "pass_time_per_changed_job", pass_s / changed * 1000 if changed else 0.0,
                "ms"),

@@ -102,8 +102,8 @@ class JobsApi:
                 return GetReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
-            if not access.caller().may_act_for(job.spec.team):
-                why = f"it belongs to team {job.spec.team}"
+            if not access.caller().may_act_for(job.team):
+                why = f"it belongs to team {job.team}"
                 return GetReply(
                     ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
@@ -112,9 +112,7 @@ class JobsApi:
                 held = await store.allocation(uow, job.allocation_id)
             reservation = await store.reservation_of(uow, job.job_id)
             service = (
-                None
-                if job.spec.replicas is None
-                else await store.live_allocations_of(uow, job.job_id)
+                None if job.replicas is None else await store.live_allocations_of(uow, job.job_id)
             )
         allocated = (
             []
@@ -216,7 +214,7 @@ class JobsApi:
                 "job.approved",
                 entity=job.job_id,
                 reason=f"{request.operator} approved {job.priority_class} for team "
-                f"{job.spec.team}" + (f": {request.reason}" if request.reason else ""),
+                f"{job.team}" + (f": {request.reason}" if request.reason else ""),
                 details={"operator": request.operator, "reason": request.reason},
             )
             await uow.commit()
@@ -243,12 +241,12 @@ class JobsApi:
                 return WhyReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
-            if not access.caller().may_act_for(job.spec.team):
-                why = f"it belongs to team {job.spec.team}"
+            if not access.caller().may_act_for(job.team):
+                why = f"it belongs to team {job.team}"
                 return WhyReply(
                     ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
-            if job.state is JobState.RUNNING and job.spec.replicas is not None:
+            if job.state is JobState.RUNNING and job.replicas is not None:
                 return await self._why_service(uow, job)
             if job.state is not JobState.QUEUED:
                 return WhyReply(
@@ -283,7 +281,7 @@ class JobsApi:
             reasons.insert(0, reservations.describe(reserved[job.job_id], self._clock()))
         if attempt.placement is None:
             reasons.extend(reservations.blocking(r) for r in blockers)
-        if job.spec.replicas is not None:
+        if job.replicas is not None:
             reasons[:0] = [
                 replicas.waiting_words(job, ledger),
                 *replicas.backoff_words(job, self._clock()),
@@ -297,14 +295,14 @@ class JobsApi:
         elif attempt.placement is not None:
             reasons.append(
                 "it fits now: the next scheduling pass places it"
-                if job.spec.replicas is None
+                if job.replicas is None
                 else "one replica fits now: the next pass places the missing min replicas "
                 "if they all fit together"
             )
         if ahead:
             names = ", ".join(
-                f"{other.job_id} ({other.priority_class}, team {other.spec.team}, "
-                f"{other.spec.gpus.count} GPUs)"
+                f"{other.job_id} ({other.priority_class}, team {other.team}, "
+                f"{other.gpus.count} GPUs)"
                 for other in ahead[:5]
             )
             more = f" and {len(ahead) - 5} more" if len(ahead) > 5 else ""
@@ -338,7 +336,7 @@ class JobsApi:
 def _not_waiting(job: store.JobRecord) -> list[str]:
     if job.state is JobState.HELD:
         return [
-            f"held for approval: {job.priority_class} is above team {job.spec.team}'s max "
+            f"held for approval: {job.priority_class} is above team {job.team}'s max "
             "priority class; an operator runs `gpusched approve "
             f"{job.job_id}` (or resubmit with a lower class)"
         ]
