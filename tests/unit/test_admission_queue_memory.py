@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from datetime import UTC, datetime, timedelta
 
@@ -105,3 +106,5 @@ def test_a_record_round_trips_through_its_row_of_plain_values(
 
     assert JobRecord.from_row(job.as_row()) == job
     assert JobRecord.from_row(job.as_row()).gpus == spec.gpus
+    waiting = dataclasses.replace(job, wait_audited=False)
+    assert JobRecord.from_row(JobRecord.audited_row(waiting.as_row())) == job

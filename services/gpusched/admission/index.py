@@ -78,6 +78,12 @@ class QueueIndex:
         else:
             bisect.insort(line, row)
 
+    def audited(self, job_id: str) -> None:
+        """The job's wait was audited (no-op if unknown)."""
+        row = self._rows.get(job_id)
+        if row is not None:
+            self._put(JobRecord.audited_row(row))
+
     def drop(self, job_id: str) -> None:
         """Forget a job that left the queue (placed, cancelled, parked...); no-op if unknown."""
         row = self._rows.pop(job_id, None)

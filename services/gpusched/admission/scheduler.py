@@ -67,8 +67,8 @@ _LOAD_PAGE = 200
 _WRITE_PART = 100
 # An incremental pass over at most this many jobs plans on the event loop (~20 µs a job).
 _PLAN_INLINE = 500
-# In-memory bookkeeping over a whole queue lets the loop run other work this often.
-_YIELD_EVERY = 2000
+# In-memory bookkeeping over many jobs lets the loop run other work this often.
+_YIELD_EVERY = 500
 # How long a running service whose top-up failed gets no new replica.
 _TOPUP_PAUSE = timedelta(minutes=5)
 
@@ -143,8 +143,10 @@ class QueuedJobs:
         mark = await store.change_mark(uow)
         queued, gone = await store.jobs_changed_since(uow, self._mark, self.index.get)
         self._news |= self._news_in(queued)
-        for job in queued:
+        for number, job in enumerate(queued, 1):
             self.index.put(job)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         for job_id in gone:
             self._left = self._left or job_id in self.index
             self.index.drop(job_id)
@@ -164,9 +166,7 @@ class QueuedJobs:
         """These jobs were just audited as waiting: what the stored rows now say, though
         the rows are not stamped as changed for it (migration 0004)."""
         for number, job_id in enumerate(job_ids, 1):
-            job = self.index.get(job_id)
-            if job is not None:
-                self.index.put(dataclasses.replace(job, wait_audited=True))
+            self.index.audited(job_id)
             if number % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # a first pass marks the whole queue
 
