@@ -20,6 +20,13 @@ def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _compute_on_the_loop(seconds: float) -> None:
+    """A synchronous computation of ``seconds`` of this thread's CPU."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        sum(range(1000))
+
+
 async def test_a_step_that_holds_the_loop_is_recorded_as_that_much_lag() -> None:
     service = "test-stalls-lag"
     late = "gpusched_event_loop_lag_seconds_bucket"
@@ -36,6 +43,20 @@ async def test_a_step_that_holds_the_loop_is_recorded_as_that_much_lag() -> None
     assert before == 0
     assert after >= 1  # the wake-up due during the held step came over 250 ms late
     assert _sample("gpusched_event_loop_lag_seconds_sum", service=service) >= 0.25
+    # A sleeping step holds the loop without running: none of that lag was CPU.
+    assert _sample("gpusched_event_loop_lag_cpu_seconds_sum", service=service) < 0.25
+
+
+async def test_a_step_that_computes_on_the_loop_is_recorded_as_lag_spent_running() -> None:
+    service = "test-stalls-cpu"
+    stopping = asyncio.Event()
+    watcher = asyncio.create_task(stalls.watch_event_loop(service, stopping, interval_s=0.01))
+    await asyncio.sleep(0.05)
+    _compute_on_the_loop(0.3)
+    await asyncio.sleep(0.05)
+    stopping.set()
+    await asyncio.wait_for(watcher, 1)
+    assert _sample("gpusched_event_loop_lag_cpu_seconds_sum", service=service) >= 0.25
 
 
 def test_every_collection_is_timed_by_generation_and_timing_is_installed_once() -> None:

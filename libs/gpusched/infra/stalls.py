@@ -7,6 +7,10 @@ every reply by as long. Two measures, both on /metrics:
 - ``gpusched_event_loop_lag_seconds{service}``: a watcher sleeps a short interval
   and records how much later than asked it woke up. The lag is what a request arriving
   at that moment waited before the loop could look at it.
+- ``gpusched_event_loop_lag_cpu_seconds{service}``: the part of that lag the loop's
+  thread spent running (its own work, collections included), as opposed to waiting for
+  a CPU the machine gave to other processes: on a busy machine, the part the service's
+  own code can change.
 - ``gpusched_gc_pause_seconds{generation}``: every collection of the cyclic garbage
   collector, timed through ``gc.callbacks``. A full collection (generation 2) walks
   every container object the process holds, so its pause grows with the heap.
@@ -32,6 +36,13 @@ EVENT_LOOP_LAG = Histogram(
     ["service"],
     buckets=_BUCKETS,
 )
+EVENT_LOOP_LAG_CPU = Histogram(
+    "gpusched_event_loop_lag_cpu_seconds",
+    "The part of each event-loop lag the loop's thread spent running its own work (the "
+    "rest it waited for a CPU)",
+    ["service"],
+    buckets=_BUCKETS,
+)
 GC_PAUSE = Histogram(
     "gpusched_gc_pause_seconds",
     "Time of one collection of the cyclic garbage collector, by generation (2: full)",
@@ -48,11 +59,15 @@ async def watch_event_loop(
 ) -> None:
     """Record the loop's lag every ``interval_s`` until ``stopping`` is set."""
     loop = asyncio.get_running_loop()
-    observe = EVENT_LOOP_LAG.labels(service).observe
+    lag_of, cpu_of = EVENT_LOOP_LAG.labels(service), EVENT_LOOP_LAG_CPU.labels(service)
     while not stopping.is_set():
         due = loop.time() + interval_s
+        ran = time.thread_time()
         await asyncio.sleep(interval_s)
-        observe(max(0.0, loop.time() - due))
+        lag = max(0.0, loop.time() - due)
+        lag_of.observe(lag)
+        # The loop's CPU over the whole wait bounds what of the lag was its own work.
+        cpu_of.observe(min(lag, time.thread_time() - ran))
 
 
 class _GcTimer:

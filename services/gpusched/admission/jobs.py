@@ -8,6 +8,7 @@ scheduler's own ``find`` on the current ledger.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
@@ -40,11 +41,16 @@ from gpusched.infra.errors import is_outage
 
 from . import parking, replicas, reservations, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
-from .explain import fair_order, find
+from .explain import find
+from .index import FairOrder, QueueIndex
 from .intake import Intake, Submission
 from .keeper import LedgerKeeper
 from .nodes import newest_checkpoint
 from .queue import Clock, JobState
+
+# Jobs put in the fair order between two turns of the event loop (`why` of a job deep in
+# a deep queue goes through every job ahead of it).
+_YIELD_EVERY = 1000
 
 
 class JobsApi:
@@ -252,15 +258,22 @@ class JobsApi:
                 return WhyReply(
                     ok=True, job_id=job.job_id, state=job.state, reasons=_not_waiting(job)
                 )
+            # The queue before the ledger lock: reading a deep one takes a while.
+            queued = QueueIndex()
+            for number, other in enumerate(await store.queued_jobs(uow), 1):
+                queued.put(other)
+                if number % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # a deep queue: let the other requests in
             ledger = await self._keeper.read(uow)
-            queued = await store.queued_jobs(uow)
             reserved = {r.job_id: r for r in await store.reservations(uow)}
         usage = usage_of(ledger.allocations.values())
         ahead = []
-        for other in fair_order(queued, ledger, usage):
+        for number, other in enumerate(FairOrder.of(queued, ledger, usage), 1):
             if other.job_id == job.job_id:
                 break
             ahead.append(other)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         # As the scheduler sees it: nodes reserved for a gang tried before this job.
         blockers = [reserved[other.job_id] for other in ahead if other.job_id in reserved]
         held = frozenset(node for r in blockers for node in r.nodes)

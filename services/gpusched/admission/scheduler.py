@@ -59,9 +59,6 @@ _Item = TypeVar("_Item")
 # A pass parks at most this many jobs before it gives up for this tick (each park
 # removes one job from the queue, so this only bounds one tick's work).
 _MOST_PARKED_PER_PASS = 50
-# Queued jobs read per statement at the first load: each page is parsed in one step
-# of the event loop, so this bounds how long the load holds up the API at a time.
-_LOAD_PAGE = 200
 # A plan's events are built and written this many jobs at a time (a first pass over a
 # deep queue audits every job as waiting): each part is one short step of the loop.
 _WRITE_PART = 100
@@ -114,12 +111,11 @@ class QueuedJobs:
     async def load(self, uow: UnitOfWork) -> None:
         """The first read of the queue (every queued job is news)."""
         mark = await store.change_mark(uow)
-        after: tuple[datetime, str] | None = None
-        while page := await store.queued_page(uow, after, _LOAD_PAGE):
-            for job in page:
-                self.index.put(job)
-                self._news.add(job.job_id)
-            after = (page[-1].submitted_at, page[-1].job_id)
+        for number, job in enumerate(await store.queued_jobs(uow), 1):
+            self.index.put(job)
+            self._news.add(job.job_id)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         self._mark = mark
 
     async def any_news(self, uow: UnitOfWork) -> bool:

@@ -490,6 +490,8 @@ def _parse_job(row: Any, held: JobRecord | None) -> JobRecord:
 
 # Rows parsed between two turns of the event loop when many are read at once.
 _YIELD_EVERY = 100
+# Queued jobs read per statement when the whole queue is read.
+_QUEUE_PAGE = 200
 
 # What a JobRecord is read from: the request as text (jsonb::text), not as a decoded
 # document that would only be parsed again.
@@ -671,13 +673,14 @@ async def started_on(uow: UnitOfWork, nodes: Sequence[str]) -> list[tuple[str, s
 
 
 async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
-    """Queued jobs in submission order; the scheduler ranks them by priority class."""
-    rows = await uow.execute(
-        f"SELECT {_JOB_COLUMNS} FROM {_t(uow, 'jobs')} WHERE state = :queued "
-        "ORDER BY submitted_at, job_id",
-        {"queued": JobState.QUEUED},
-    )
-    return [_job(row) for row in rows]
+    """Queued jobs in submission order (the scheduler ranks them by priority class),
+    read page by page: a deep queue is not parsed in one step of the event loop."""
+    jobs: list[JobRecord] = []
+    after: tuple[datetime, str] | None = None
+    while page := await queued_page(uow, after, _QUEUE_PAGE):
+        jobs.extend(page)
+        after = (page[-1].submitted_at, page[-1].job_id)
+    return jobs
 
 
 async def change_mark(uow: UnitOfWork) -> int:
