@@ -24,7 +24,7 @@ from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
 
-# More than the first load reads per statement (scheduler._LOAD_PAGE), in several pages.
+# More than the first load reads per statement (store._QUEUE_PAGE): several pages.
 STORED = 450
 # The first of them is placed, the others wait.
 WAITING = STORED - 1

@@ -260,10 +260,9 @@ class JobsApi:
                 )
             # The queue before the ledger lock: reading a deep one takes a while.
             queued = QueueIndex()
-            for number, other in enumerate(await store.queued_jobs(uow), 1):
-                queued.put(other)
-                if number % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # a deep queue: let the other requests in
+            async for page in store.queued_pages(uow):
+                for other in page:
+                    queued.put(other)
             ledger = await self._keeper.read(uow)
             reserved = {r.job_id: r for r in await store.reservations(uow)}
         usage = usage_of(ledger.allocations.values())
@@ -273,7 +272,7 @@ class JobsApi:
                 break
             ahead.append(other)
             if number % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # a deep queue: let the other requests in
         # As the scheduler sees it: nodes reserved for a gang tried before this job.
         blockers = [reserved[other.job_id] for other in ahead if other.job_id in reserved]
         held = frozenset(node for r in blockers for node in r.nodes)

@@ -59,9 +59,11 @@ _Item = TypeVar("_Item")
 # A pass parks at most this many jobs before it gives up for this tick (each park
 # removes one job from the queue, so this only bounds one tick's work).
 _MOST_PARKED_PER_PASS = 50
-# A plan's events are built and written this many jobs at a time (a first pass over a
-# deep queue audits every job as waiting): each part is one short step of the loop.
-_WRITE_PART = 100
+# A plan's events are written this many jobs at a time (a first pass over a deep queue
+# audits every job as waiting), and built this many between two turns of the event
+# loop (each is a few tens of microseconds of pydantic and JSON).
+_WRITE_PART = 200
+_BUILD_PART = 25
 # An incremental pass over at most this many jobs plans on the event loop (~20 µs a job).
 _PLAN_INLINE = 500
 # In-memory bookkeeping over many jobs lets the loop run other work this often.
@@ -111,11 +113,10 @@ class QueuedJobs:
     async def load(self, uow: UnitOfWork) -> None:
         """The first read of the queue (every queued job is news)."""
         mark = await store.change_mark(uow)
-        for number, job in enumerate(await store.queued_jobs(uow), 1):
-            self.index.put(job)
-            self._news.add(job.job_id)
-            if number % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+        async for page in store.queued_pages(uow):
+            for job in page:
+                self.index.put(job)
+                self._news.add(job.job_id)
         self._mark = mark
 
     async def any_news(self, uow: UnitOfWork) -> bool:
@@ -425,16 +426,24 @@ class Scheduler:
                 ],
                 now,
             )
-            for part in _parts(grants):
-                await uow.emit_many(
-                    [event for grant in part for event in self._grant_events(uow, ledger, grant)]
-                )
+            for part in _parts(grants, _WRITE_PART):
+                for some in _parts(part, _BUILD_PART):
+                    await uow.emit_many(
+                        [
+                            event
+                            for grant in some
+                            for event in self._grant_events(uow, ledger, grant)
+                        ]
+                    )
+                    await asyncio.sleep(0)
                 await uow.flush()
         free: dict[JobKind, dict[Pool, int]] = {}
-        for waiting in _parts(outcome.waiting):
-            await uow.emit_many(
-                [self._wait_audit(uow, ledger, free, job, attempt) for job, attempt in waiting]
-            )
+        for waiting in _parts(outcome.waiting, _WRITE_PART):
+            for few in _parts(waiting, _BUILD_PART):
+                await uow.emit_many(
+                    [self._wait_audit(uow, ledger, free, job, attempt) for job, attempt in few]
+                )
+                await asyncio.sleep(0)
             await uow.flush()
             await store.mark_waiting(uow, [job.job_id for job, _ in waiting], now)
 
@@ -555,7 +564,7 @@ class Scheduler:
         )
 
 
-def _parts(items: Sequence[_Item]) -> Iterator[Sequence[_Item]]:
-    """``items`` in slices of _WRITE_PART."""
-    for start in range(0, len(items), _WRITE_PART):
-        yield items[start : start + _WRITE_PART]
+def _parts(items: Sequence[_Item], size: int) -> Iterator[Sequence[_Item]]:
+    """``items`` in slices of ``size``."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -672,15 +672,14 @@ async def started_on(uow: UnitOfWork, nodes: Sequence[str]) -> list[tuple[str, s
     return [(row.allocation_id, row.job_id) for row in rows]
 
 
-async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
-    """Queued jobs in submission order (the scheduler ranks them by priority class),
-    read page by page: a deep queue is not parsed in one step of the event loop."""
-    jobs: list[JobRecord] = []
+async def queued_pages(uow: UnitOfWork) -> AsyncIterator[list[JobRecord]]:
+    """Every queued job in submission order (the scheduler ranks them by priority
+    class), a page at a time: a deep queue is neither parsed in one step of the event
+    loop nor held twice in memory."""
     after: tuple[datetime, str] | None = None
     while page := await queued_page(uow, after, _QUEUE_PAGE):
-        jobs.extend(page)
+        yield page
         after = (page[-1].submitted_at, page[-1].job_id)
-    return jobs
 
 
 async def change_mark(uow: UnitOfWork) -> int:
