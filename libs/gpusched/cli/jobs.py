@@ -60,9 +60,7 @@ def register(app: typer.Typer) -> None:
     app.command("get", help="A job: state, GPUs, checkpoints, evictions and bill.")(get)
     app.command("why", help="Why a job waits (or is where it is), in words.")(why)
     app.command("list", help="Jobs, newest first: filter by team, state, class, kind.")(list_jobs)
-    app.command(
-        "approve", help="Let a held job in, or retry a parked one (operators)."
-    )(approve)
+    app.command("approve", help="Let a held job in, or retry a parked one (operators).")(approve)
 
 
 # --- submit ------------------------------------------------------------------------------

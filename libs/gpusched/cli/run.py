@@ -29,6 +29,20 @@ def register(app: typer.Typer) -> None:
     app.command("demo", help="Run the stack and play an inference surge, as a timeline.")(demo)
     app.command("service", help="Run one service in this process (what containers run).")(service)
     app.command("migrate", help="Create the streams and run every service's migrations.")(migrate)
+    app.command("asyncapi", help="Print the AsyncAPI 3.0 document of the public contracts.")(
+        asyncapi
+    )
+
+
+def asyncapi(
+    prefix: Annotated[str, typer.Option(help="the subject prefix")] = "gpusched",
+) -> int:
+    import json
+
+    from gpusched.contracts.asyncapi import document
+
+    print(json.dumps(document(prefix), indent=2, sort_keys=True))
+    return 0
 
 
 def up(
