@@ -125,7 +125,7 @@ def service(
         return EXIT_USAGE
     # A setting the service cannot start with is the operator's to fix: one line.
     try:
-        load_settings().require_urls()
+        load_settings(service=True).require_urls()
     except RuntimeError as exc:
         print(f"gpusched: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -31,8 +31,10 @@ def settings_error(exc: ValidationError) -> str:
     return f"{variable}: {message}; set it right (or unset it for the default) and start again"
 
 
-def load_settings() -> Settings:
-    """The settings from the environment; a bad variable is one line naming it."""
+def load_settings(*, service: bool = False) -> Settings:
+    """The settings from the environment. A bad variable is one line: for a command,
+    `invalid <setting>: <what>` (main() turns the ValidationError into it); for a
+    service process, naming the variable and what to do."""
     from pydantic import ValidationError
 
     from gpusched.infra.settings import Settings
@@ -40,6 +42,8 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
+        if not service:
+            raise
         raise NotConfigured(settings_error(exc)) from None
 
 
