@@ -317,8 +317,7 @@ async def team_of(uow: UnitOfWork, job_id: str) -> str | None:
 async def sagas_of_job(uow: UnitOfWork, job_id: str, limit: int) -> list[Saga]:
     """The job's eviction sagas, newest first."""
     rows = await uow.fetch(
-        f"SELECT data, trace FROM {uow.schema}.sagas WHERE job_id = $1 "
-        "ORDER BY created_at DESC LIMIT $2",
+        _SELECT.format(schema=uow.schema) + "WHERE job_id = $1 ORDER BY created_at DESC LIMIT $2",
         job_id,
         limit,
     )
