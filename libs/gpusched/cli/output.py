@@ -29,8 +29,11 @@ def console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     # highlight=False: ids and numbers are not recoloured at random; soft_wrap keeps a
-    # long reason on its line for grep.
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    # long reason on its line for grep. Piped into a file or a program, a table is as
+    # wide as its content: a row stays one line for grep and awk, not folded at 80.
+    stream = sys.stderr if stderr else sys.stdout
+    wide = None if stream.isatty() else 4096
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=wide)
 
 
 def table(*columns: str) -> Table:
