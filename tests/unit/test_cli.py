@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpusched.cli import audit, choices, output
 from gpusched.cli.errors import BadInput
@@ -213,6 +214,12 @@ def test_json_audit_output_is_one_record_a_line(capsys: pytest.CaptureFixture[st
     audit._print(Msg(), "preempt", None, None, output.Format.JSON)  # type: ignore[arg-type]
     [line] = capsys.readouterr().out.splitlines()
     assert json.loads(line)["action"] == "job.parked"
+
+    audit._print(Msg(), None, None, None, output.Format.YAML)  # type: ignore[arg-type]
+    audit._print(Msg(), None, None, None, output.Format.YAML)  # type: ignore[arg-type]
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["action"] for d in documents] == ["job.parked", "job.parked"]
+    assert documents[0]["id"] == "m1"
 
 
 # --- output -------------------------------------------------------------------------------

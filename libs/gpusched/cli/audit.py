@@ -92,7 +92,10 @@ def audit(
         bool, typer.Option("--follow", "-f", help="keep printing new records (Ctrl-C stops)")
     ] = False,
     fmt: Annotated[
-        Format, typer.Option("-o", "--output", help="table, or json/yaml: one record a line")
+        Format,
+        typer.Option(
+            "-o", "--output", help="table, json (a record a line) or yaml (a document a record)"
+        ),
     ] = Format.TABLE,
 ) -> int:
     start = since_time(since, datetime.now(UTC))
@@ -184,8 +187,14 @@ def _print(msg: Msg, action: str | None, job: str | None, team: str | None, fmt:
             f"{record.get('action', '-'):<24} {record.get('entity', '-')}: "
             f"{record.get('reason', '')}"
         )
+    elif fmt is Format.YAML:
+        import yaml
+
+        # A YAML stream: one document per record, so a follow stays readable as it grows.
+        document = {**output.plain(record), "time": when.isoformat(), "id": envelope.get("id")}
+        line = "---\n" + yaml.safe_dump(document, sort_keys=False, allow_unicode=True).rstrip()
     else:
-        # One record a line either way: a follow can be piped into jq line by line.
+        # One record a line: a follow can be piped into jq line by line.
         line = json.dumps({**record, "time": when.isoformat(), "id": envelope.get("id")})
     sys.stdout.write(line + "\n")
     sys.stdout.flush()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Generic, TypeVar
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -247,6 +248,11 @@ def _observed(value: datetime, info: ValidationInfo) -> datetime:
 # When something was observed (a sample, a stat): within the receiver's skew window when
 # read at the edge; any aware time when a service builds the message itself.
 ObservedAt = Annotated[datetime, AfterValidator(_observed)]
+
+
+# A point in time a caller asks about (a statement's period): an RFC 3339 string with a
+# time zone, never a number (lax parsing would read -1 as 1969).
+Moment = Annotated[AwareDatetime, Strict()]
 
 
 # --- the stream edge ----------------------------------------------------------------------

@@ -10,10 +10,10 @@ from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import Field, model_validator
 
 from gpusched.contracts.messages import ApiError, Wire
-from gpusched.contracts.validation import Id
+from gpusched.contracts.validation import Id, Moment
 
 
 def statement_subject(prefix: str) -> str:
@@ -36,8 +36,8 @@ class StatementRequest(Wire):
     """
 
     team: str | None = Field(default=None, min_length=1, max_length=64)
-    period_start: AwareDatetime | None = None
-    period_end: AwareDatetime | None = None
+    period_start: Moment | None = None
+    period_end: Moment | None = None
 
     @model_validator(mode="after")
     def _period_is_ordered(self) -> StatementRequest:
