@@ -251,7 +251,8 @@ ObservedAt = Annotated[datetime, AfterValidator(_observed)]
 
 # --- the stream edge ----------------------------------------------------------------------
 # The newest version of each message type this build reads; a type not listed: 1.
-SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {}
+# checkpoint.confirmed v2: `kind` (a directory checkpoint described by its manifest).
+SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {"checkpoint.confirmed": 2}
 
 
 def read_message(
