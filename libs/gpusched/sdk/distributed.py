@@ -382,7 +382,7 @@ class Gang:
             else:
                 assert copy_to is not None
                 for entry in files[self.rank :: self.world]:
-                    copy_to.child(entry.path).write_bytes(target.child(entry.path).read_bytes())
+                    target.child(entry.path).copy_to(copy_to.child(entry.path))
         except Exception as exc:
             error = _describe(self.rank, what, exc)
         gathered = self._gather_or_lost((mine, error))

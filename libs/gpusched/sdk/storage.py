@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,20 @@ class Location:
             return
         extra = {"ChecksumAlgorithm": "SHA256"} if "s3" in _protocols(self.fs) else {}
         self.fs.pipe_file(self.path, data, **extra)
+
+    def copy_to(self, target: Location) -> None:
+        """Stream this object to `target` in chunks (a checkpoint shard may not fit in
+        memory twice), durably: a local target is fsynced."""
+        target.fs.makedirs(target.path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(self.path, "rb", block_size=_CHUNK) as src:
+            if target.is_local:
+                with open(target.path, "wb") as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                return
+            with target.fs.open(target.path, "wb") as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
 
     def digest(self) -> tuple[int, str]:
         """(size, sha256 hex) of the object, read in chunks."""
