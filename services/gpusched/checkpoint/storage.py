@@ -253,8 +253,16 @@ def _size(fs: Any, path: str) -> int | None:
         return None
     if info.get("type") != "file":
         return None
+    if info.get("islink"):
+        # A link would let a claim make the service read (and report the size and
+        # digest of) any file it can see; a checkpoint's files are plain files.
+        raise _NotPlain(f"{path} is a symbolic link (not followed)")
     size = info.get("size")
     return int(size) if isinstance(size, int) else None
+
+
+class _NotPlain(Exception):
+    """What a claim names is no plain file: refused without being read."""
 
 
 def _stored_sha256(fs: Any, path: str) -> str | None:
@@ -279,6 +287,8 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 def _failure(exc: BaseException) -> ObjectFacts:
+    if isinstance(exc, _NotPlain):
+        return ObjectFacts(exists=False, error=str(exc))
     if is_outage(exc) or _unreachable(exc):
         raise Unavailable(f"checkpoint storage unreachable: {type(exc).__name__}: {exc}") from exc
     return ObjectFacts(exists=False, error=f"{type(exc).__name__}: {exc}")
