@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
@@ -62,6 +62,10 @@ class Public(Wire):
 # ======================================================================================
 # Public: job control (control plane -> job) on <p>.jobs.<job_id>.control
 # ======================================================================================
+# The envelope version of checkpoint.confirmed that adds `kind` (directory checkpoints).
+CHECKPOINT_CONFIRMED_MANIFEST_VERSION: Final = 2
+
+
 class StageName(StrEnum):
     SNAPSHOTTED = "snapshotted"
     PERSISTED = "persisted"
@@ -106,7 +110,21 @@ class JobProgress(Public):
         return self
 
 
+class CheckpointKind(StrEnum):
+    """What a confirmation's uri, bytes and sha256 describe."""
+
+    FILE = "file"  # the checkpoint itself: one object
+    # A directory checkpoint (e.g. torch.distributed.checkpoint's shards): the uri names
+    # its manifest (contracts.manifest), bytes and sha256 are those of the manifest, and
+    # the manifest lists every file with its size and sha256.
+    MANIFEST = "manifest"
+
+
 class CheckpointConfirmed(Public):
+    """v1: one file. v2 adds `kind` (default `file`, so a v1 message reads as v2 with
+    kind=file); producers send v2 only for a manifest, so a single-file confirmation
+    is still v1 and reads the same on a control plane that knows only v1."""
+
     request_id: Id | None
     checkpoint_id: Id
     step: Step
@@ -114,6 +132,12 @@ class CheckpointConfirmed(Public):
     bytes: Bytes
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     stage: StageName
+    kind: CheckpointKind = CheckpointKind.FILE
+
+    @property
+    def version(self) -> int:
+        """The envelope version this payload needs (the oldest that can carry it)."""
+        return CHECKPOINT_CONFIRMED_MANIFEST_VERSION if self.kind is CheckpointKind.MANIFEST else 1
 
 
 class CheckpointFailed(Public):

@@ -257,7 +257,8 @@ Moment = Annotated[AwareDatetime, Strict()]
 
 # --- the stream edge ----------------------------------------------------------------------
 # The newest version of each message type this build reads; a type not listed: 1.
-SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {}
+# checkpoint.confirmed v2: `kind` (a directory checkpoint described by its manifest).
+SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {"checkpoint.confirmed": 2}
 
 
 def read_message(

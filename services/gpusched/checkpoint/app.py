@@ -12,7 +12,7 @@ from gpusched.checkpoint.api import (
 from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.queries import Queries
-from gpusched.checkpoint.storage import FileStorage, NoStorage
+from gpusched.checkpoint.storage import Budget, FsspecStorage, NoStorage
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import access, bus
@@ -57,7 +57,15 @@ async def build(rt: ServiceRuntime) -> None:
     settings = rt.settings.checkpoint
     handlers = SagaHandlers(
         EvictionPolicies.from_settings(settings),
-        storage=FileStorage() if settings.verify_uris else NoStorage(),
+        storage=(
+            FsspecStorage(
+                settings.verify_schemes,
+                budget=Budget(settings.verify_budget_s, settings.verify_budget_s_per_gb),
+                parallelism=settings.verify_parallelism,
+            )
+            if settings.verify_uris
+            else NoStorage()
+        ),
         trust=TrustPolicy.from_settings(settings),
         retention_per_job=settings.retention_per_job,
     )

@@ -27,12 +27,11 @@ from typing import Any, Final
 from gpusched.checkpoint import store
 from gpusched.checkpoint.api import checkpoint_info
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
-from gpusched.checkpoint.storage import CheckpointStorage, FileStorage
+from gpusched.checkpoint.storage import CheckpointStorage, FsspecStorage
 from gpusched.checkpoint.verification import (
     ClaimCheck,
     MalformedUri,
     Verdict,
-    judge,
     judge_unverifiable,
     uri_scheme,
 )
@@ -131,7 +130,7 @@ class SagaHandlers:
     ) -> None:
         self._policies = policies
         self._now = clock
-        self._storage: CheckpointStorage = FileStorage() if storage is None else storage
+        self._storage: CheckpointStorage = FsspecStorage() if storage is None else storage
         self._trust = TrustPolicy({}) if trust is None else trust
         self._retention = retention_per_job
 
@@ -244,7 +243,7 @@ class SagaHandlers:
             stage=Stage(confirmed.stage.value),
         )
         # Read storage before locking any saga row: hashing can take a while.
-        verdict, facts = await self._check(uow, job_id, ref)
+        verdict, facts = await self._check(uow, job_id, ref, confirmed.kind)
         now = self._now()
         sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
         if not verdict.counts:
@@ -266,7 +265,7 @@ class SagaHandlers:
             await self._apply(uow, saga, event, envelope.id, now)
 
     async def _check(
-        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef
+        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef, kind: wire.CheckpointKind
     ) -> tuple[Verdict, dict[str, str | None]]:
         """The verdict on a claim, and what it rests on for the audit record: the URI's
         scheme and (unless storage checked it) the job's priority class."""
@@ -276,9 +275,9 @@ class SagaHandlers:
             priority_class = await store.class_of(uow, job_id)
             verdict = Verdict(ClaimCheck.MALFORMED, str(exc))
             return verdict, {"scheme": None, "priority_class": priority_class}
-        facts = await self._storage.inspect(claim.uri, claim.bytes)
-        if facts is not None:
-            return judge(claim, facts), {"scheme": scheme}
+        checked = await self._storage.verify(claim, kind)
+        if checked is not None:
+            return checked, {"scheme": scheme, "kind": kind.value}
         priority_class = await store.class_of(uow, job_id)
         trusted = self._trust.trusts(priority_class, scheme)
         verdict = judge_unverifiable(job_id, scheme, priority_class, trusted)
