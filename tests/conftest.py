@@ -158,3 +158,15 @@ async def settings(servers: Servers, database_url: str, prefix: str, tmp_path: P
 
 def harness_credentials_in(security: SecuritySettings) -> Path | None:
     return None if security.auth_dir is None else security.auth_dir / "creds" / f"{HARNESS}.creds"
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[dict[str, str]]:
+    """An S3-compatible server (moto's server mode) for the session, and the AWS_*
+    environment of its clients, also set in this process (for in-process services and
+    SDK calls). Each test makes a bucket of its own."""
+    from tests.support.s3 import environment, s3_server
+
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[s3]')")
+    with s3_server() as env, environment(env):
+        yield env

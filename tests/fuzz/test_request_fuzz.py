@@ -132,6 +132,16 @@ async def test_hostile_job_and_node_requests_are_invalid_naming_the_field(
             {"job_id": job_id, "replicas": 1},
             {"job_id": HOSTILE_STRINGS, "replicas": HOSTILE_NUMBERS},
         ),
+        s.api_jobs_list: (
+            {"team": "vision", "limit": 10},
+            {
+                "team": [*HOSTILE_STRINGS, "two words"],
+                "states": [["sleeping"], "queued", [1], None],
+                "priority_class": ["p9-never", 1, *HOSTILE_STRINGS],
+                "limit": [*HOSTILE_NUMBERS, 0, 501],
+                "after": HOSTILE_STRINGS,
+            },
+        ),
         s.api_nodes(NodeVerb.DRAIN): (
             {"node": "shared-00", "operator": "ops"},
             {"node": HOSTILE_STRINGS, "operator": HOSTILE_STRINGS, "reason": HOSTILE_STRINGS},

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
@@ -62,6 +62,10 @@ class Public(Wire):
 # ======================================================================================
 # Public: job control (control plane -> job) on <p>.jobs.<job_id>.control
 # ======================================================================================
+# The envelope version of checkpoint.confirmed that adds `kind` (directory checkpoints).
+CHECKPOINT_CONFIRMED_MANIFEST_VERSION: Final = 2
+
+
 class StageName(StrEnum):
     SNAPSHOTTED = "snapshotted"
     PERSISTED = "persisted"
@@ -106,7 +110,21 @@ class JobProgress(Public):
         return self
 
 
+class CheckpointKind(StrEnum):
+    """What a confirmation's uri, bytes and sha256 describe."""
+
+    FILE = "file"  # the checkpoint itself: one object
+    # A directory checkpoint (e.g. torch.distributed.checkpoint's shards): the uri names
+    # its manifest (contracts.manifest), bytes and sha256 are those of the manifest, and
+    # the manifest lists every file with its size and sha256.
+    MANIFEST = "manifest"
+
+
 class CheckpointConfirmed(Public):
+    """v1: one file. v2 adds `kind` (default `file`, so a v1 message reads as v2 with
+    kind=file); producers send v2 only for a manifest, so a single-file confirmation
+    is still v1 and reads the same on a control plane that knows only v1."""
+
     request_id: Id | None
     checkpoint_id: Id
     step: Step
@@ -114,6 +132,12 @@ class CheckpointConfirmed(Public):
     bytes: Bytes
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     stage: StageName
+    kind: CheckpointKind = CheckpointKind.FILE
+
+    @property
+    def version(self) -> int:
+        """The envelope version this payload needs (the oldest that can carry it)."""
+        return CHECKPOINT_CONFIRMED_MANIFEST_VERSION if self.kind is CheckpointKind.MANIFEST else 1
 
 
 class CheckpointFailed(Public):
@@ -408,6 +432,63 @@ class WhyReply(Public):
     job_id: str | None = None
     state: str | None = None
     reasons: list[str] = Field(default_factory=list)
+    error: ApiError | None = None
+
+
+class JobStateName(StrEnum):
+    """The states a job is in, as `get` and `list` show them (admission's JobState)."""
+
+    HELD = "held"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PARKED = "parked"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class ListJobs(Public):
+    """Jobs, newest first, a page at a time. A team sees its own jobs only: `team` is
+    then its own (or left out); an operator may name any team, or none for all."""
+
+    team: Team | None = None
+    states: list[JobStateName] = Field(default_factory=list, max_length=len(JobStateName))
+    priority_class: PriorityClassName | None = None
+    kind: JobKind | None = None
+    limit: Annotated[int, Strict(), Field(ge=1, le=500)] = 50
+    # The last job id of the previous page (its `next`): the page starts after it.
+    after: Id | None = None
+
+    @field_validator("team")
+    @classmethod
+    def _team_is_token(cls, v: str | None) -> str | None:
+        return None if v is None else check_token(v, "team")
+
+
+class JobSummary(Wire):
+    """One row of `list`: what the job table holds, without its allocation's GPUs."""
+
+    job_id: str
+    name: str
+    team: str
+    kind: str
+    priority_class: str
+    state: str
+    attempt: int
+    gpus: int
+    milli: int | None = None
+    model: str | None = None
+    submitted_at: datetime
+    allocation_id: str | None = None
+
+
+class ListReply(Public):
+    ok: bool
+    jobs: list[JobSummary] = Field(default_factory=list)
+    # The `after` of the next page; None on the last page.
+    next: str | None = None
     error: ApiError | None = None
 
 

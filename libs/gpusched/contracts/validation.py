@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Generic, TypeVar
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -249,9 +250,15 @@ def _observed(value: datetime, info: ValidationInfo) -> datetime:
 ObservedAt = Annotated[datetime, AfterValidator(_observed)]
 
 
+# A point in time a caller asks about (a statement's period): an RFC 3339 string with a
+# time zone, never a number (lax parsing would read -1 as 1969).
+Moment = Annotated[AwareDatetime, Strict()]
+
+
 # --- the stream edge ----------------------------------------------------------------------
 # The newest version of each message type this build reads; a type not listed: 1.
-SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {}
+# checkpoint.confirmed v2: `kind` (a directory checkpoint described by its manifest).
+SUPPORTED_VERSIONS: Final[Mapping[str, int]] = {"checkpoint.confirmed": 2}
 
 
 def read_message(

@@ -207,6 +207,15 @@ class CheckpointSettings(Section):
     # service cannot see the jobs' storage), it verifies nothing: only schemes named in
     # trusted_schemes are then accepted, so it must name at least one.
     verify_uris: bool = True
+    # The URI schemes it reads to verify claims, through fsspec with each store's usual
+    # credentials (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*): "file", and
+    # "s3", "gs", "az" where s3fs, gcsfs, adlfs are installed. Others are unverifiable.
+    verify_schemes: list[str] = Field(default_factory=lambda: ["file"])
+    # How long one verification may take: a base plus so much per GB the claim lists;
+    # what is not verified in time is refused (docs/checkpoint-operations.md).
+    verify_budget_s: float = Field(default=30.0, gt=0, le=86_400)
+    verify_budget_s_per_gb: float = Field(default=30.0, ge=0, le=86_400)
+    verify_parallelism: int = Field(default=8, ge=1, le=256)
     # Per priority class: URI schemes taken on trust, unverified, e.g. {"p2-offline":
     # ["s3"]}. A claim the service cannot verify whose scheme its job's class does not
     # trust is refused (docs/checkpoint-operations.md). Default: none.

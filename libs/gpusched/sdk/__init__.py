@@ -2,7 +2,11 @@
 
 Async code uses `AsyncJobClient`; a plain synchronous loop uses `JobClient`. Both
 publish the job's events and hand it the control plane's requests; `save_file_checkpoint`
-writes a checkpoint file atomically and describes it (size, sha256, file:// URI).
+writes a checkpoint file atomically and describes it (size, sha256, file:// URI);
+`write_manifest` describes a directory checkpoint (every file's size and sha256) on any
+fsspec store. gpusched.sdk.distributed checkpoints a torchrun gang with
+torch.distributed.checkpoint; gpusched.sdk.lightning and gpusched.sdk.huggingface hook
+the frameworks.
 """
 
 from gpusched.sdk.checkpoints import (
@@ -15,12 +19,16 @@ from gpusched.sdk.client import AsyncJobClient
 from gpusched.sdk.control import (
     CheckpointRequest,
     ControlMessage,
+    Freshness,
     PreemptionCancelled,
+    RecentCheckpoint,
     ResumeRequest,
 )
 from gpusched.sdk.delivery import DeliveryState
 from gpusched.sdk.environment import EnvVar, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
+from gpusched.sdk.manifest import describe, read_manifest, write_manifest
+from gpusched.sdk.storage import Location
 from gpusched.sdk.sync import JobClient
 
 __all__ = [
@@ -30,13 +38,19 @@ __all__ = [
     "ControlMessage",
     "DeliveryState",
     "EnvVar",
+    "Freshness",
     "JobClient",
     "JobClientError",
     "JobEnvironment",
+    "Location",
     "PreemptionCancelled",
+    "RecentCheckpoint",
     "ResumeRequest",
     "SavedCheckpoint",
     "checkpoint_path",
+    "describe",
     "file_digest",
+    "read_manifest",
     "save_file_checkpoint",
+    "write_manifest",
 ]

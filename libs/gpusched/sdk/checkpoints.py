@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
 
+from gpusched.contracts.messages import CheckpointKind
+from gpusched.sdk.storage import fsync_dir
+
 _CHUNK = 1 << 20
 
 
@@ -23,6 +26,9 @@ class SavedCheckpoint:
     uri: str
     bytes: int
     sha256: str
+    # FILE: uri/bytes/sha256 describe the checkpoint; MANIFEST: they describe its
+    # manifest (sdk.manifest), which lists every file of a directory checkpoint.
+    kind: CheckpointKind = CheckpointKind.FILE
 
 
 def save_file_checkpoint(
@@ -50,7 +56,7 @@ def save_file_checkpoint(
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     size, digest = file_digest(target)
     return SavedCheckpoint(
         checkpoint_id=checkpoint_id or uuid.uuid4().hex,
@@ -78,17 +84,3 @@ def checkpoint_path(uri: str) -> Path:
     if parsed.scheme != "file":
         raise ValueError(f"not a file:// checkpoint URI: {uri!r}")
     return Path(unquote(parsed.path))
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is; not possible everywhere.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -30,6 +30,7 @@ import logging
 import math
 import secrets
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ValidationError
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.errors import MalformedMessage
-from gpusched.contracts.messages import StageName, T
+from gpusched.contracts.messages import CheckpointKind, StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
 from gpusched.infra.natsauth import AuthError, connect_options
@@ -58,7 +59,9 @@ from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
     ControlMessage,
+    Freshness,
     PendingCheckpoint,
+    RecentCheckpoint,
     control_message,
 )
 from gpusched.sdk.delivery import (
@@ -151,6 +154,7 @@ class AsyncJobClient:
         self._on_control: list[ControlCallback] = []
         self._on_checkpoint: list[CheckpointCallback] = []
         self._callback_tasks: set[asyncio.Task[None]] = set()
+        self._recent: RecentCheckpoint | None = None
 
     @classmethod
     def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
@@ -361,6 +365,7 @@ class AsyncJobClient:
         sha256: str,
         stage: StageName,
         causation_id: str | None = None,
+        kind: CheckpointKind = CheckpointKind.FILE,
     ) -> None:
         confirmed = wire.CheckpointConfirmed(
             request_id=request_id,
@@ -370,8 +375,14 @@ class AsyncJobClient:
             bytes=bytes,
             sha256=sha256,
             stage=stage,
+            kind=kind,
         )
-        await self._publish(T.CHECKPOINT_CONFIRMED, confirmed, causation_id=causation_id)
+        await self._publish(
+            T.CHECKPOINT_CONFIRMED,
+            confirmed,
+            causation_id=causation_id,
+            version=confirmed.version,
+        )
 
     async def confirm(
         self, request: CheckpointRequest | None, saved: SavedCheckpoint, stage: StageName
@@ -386,7 +397,33 @@ class AsyncJobClient:
             sha256=saved.sha256,
             stage=stage,
             causation_id=request.message_id if request else None,
+            kind=saved.kind,
         )
+        recent = self._recent
+        if recent is None or recent.saved != saved:
+            self._recent = RecentCheckpoint(saved, stage, time.monotonic())
+        elif stage is StageName.PERSISTED:
+            # The same checkpoint, now durable: as old as when it was first confirmed.
+            self._recent = RecentCheckpoint(saved, stage, recent.confirmed_at)
+
+    @property
+    def recent_checkpoint(self) -> RecentCheckpoint | None:
+        """The newest checkpoint this client confirmed (periodic or requested)."""
+        return self._recent
+
+    async def answer_with_recent(
+        self, request: CheckpointRequest, freshness: Freshness, *, step: int | None = None
+    ) -> SavedCheckpoint | None:
+        """Confirm the newest checkpoint already confirmed for `request`, if `freshness`
+        accepts it (the job saves periodically anyway); None: save a new one instead.
+        The control plane verifies it like any other claim."""
+        recent = self._recent
+        if not freshness.accepts(recent, request, now=time.monotonic(), step=step):
+            return None
+        assert recent is not None
+        self._pending.take(request)
+        await self.confirm(request, recent.saved, recent.stage)
+        return recent.saved
 
     async def checkpoint_failed(
         self, request_id: str | None, error: str, *, causation_id: str | None = None
@@ -509,6 +546,7 @@ class AsyncJobClient:
         *,
         causation_id: str | None = None,
         droppable: bool = False,
+        version: int = 1,
     ) -> None:
         if self._events is None:
             raise JobClientError("the job client is not connected (use `async with`)")
@@ -519,6 +557,8 @@ class AsyncJobClient:
             correlation_id=self.job_id,
             causation_id=causation_id,
         )
+        if version != envelope.version:
+            envelope = envelope.model_copy(update={"version": version})
         # The same envelope id on every retry lets JetStream drop a duplicate.
         await self._events.send(
             Outgoing(

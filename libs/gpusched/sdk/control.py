@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import StageName, T
+from gpusched.sdk.checkpoints import SavedCheckpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,54 @@ class CheckpointRequest:
     def seconds_left(self, now: datetime | None = None) -> float:
         """Seconds until the deadline (negative once it has passed)."""
         return (self.deadline - (now or datetime.now(UTC))).total_seconds()
+
+    def satisfied_by(self, stage: StageName) -> bool:
+        """Whether a checkpoint at `stage` is what this request waits for (persisted
+        answers a request for snapshotted too)."""
+        return stage is StageName.PERSISTED or stage is self.stage_required
+
+
+@dataclass(frozen=True, slots=True)
+class RecentCheckpoint:
+    """The newest checkpoint this client confirmed: what, how far, and when (a
+    monotonic clock reading, so a wall-clock jump cannot make it look fresh)."""
+
+    saved: SavedCheckpoint
+    stage: StageName
+    confirmed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Freshness:
+    """How recent a checkpoint the job already has must be to answer a checkpoint
+    request instead of saving anew: at most `max_age_s` seconds old and, if given,
+    at most `max_steps` steps behind. The job's own policy: the work since that
+    checkpoint is what the eviction throws away."""
+
+    max_age_s: float
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.max_age_s < float("inf")):
+            raise ValueError(f"max_age_s must be a finite number >= 0, not {self.max_age_s}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, not {self.max_steps}")
+
+    def accepts(
+        self,
+        recent: RecentCheckpoint | None,
+        request: CheckpointRequest,
+        *,
+        now: float,
+        step: int | None = None,
+    ) -> bool:
+        if recent is None or not request.satisfied_by(recent.stage):
+            return False
+        if now - recent.confirmed_at > self.max_age_s:
+            return False
+        if self.max_steps is not None:
+            return step is not None and step - recent.saved.step <= self.max_steps
+        return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from gpusched.contracts.messages import StageName
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.client import DEFAULT_FLUSH_TIMEOUT_S, AsyncJobClient
-from gpusched.sdk.control import CheckpointRequest, ControlMessage
+from gpusched.sdk.control import CheckpointRequest, ControlMessage, Freshness, RecentCheckpoint
 from gpusched.sdk.delivery import DEFAULT_CAPACITY, DEFAULT_WAIT_S, DeliveryState
 from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
 from gpusched.sdk.errors import CheckpointError, JobClientError
@@ -224,6 +224,24 @@ class JobClient:
         """The checkpoint request to answer after this step, if any."""
         return self._async().checkpoint_requested
 
+    def on_checkpoint_requested(self, callback: Callable[[CheckpointRequest], None]) -> None:
+        """Call `callback(request)` as soon as a checkpoint request arrives, e.g. to tell
+        a framework to save at its next step boundary. It runs in the client's own thread:
+        keep it short and thread-safe (set a flag); save in the training thread."""
+        self._async().on_checkpoint_requested(callback)
+
+    @property
+    def recent_checkpoint(self) -> RecentCheckpoint | None:
+        """The newest checkpoint this client confirmed (see answer_with_recent)."""
+        return self._async().recent_checkpoint
+
+    def answer_with_recent(
+        self, request: CheckpointRequest, freshness: Freshness, *, step: int | None = None
+    ) -> SavedCheckpoint | None:
+        """Confirm the newest checkpoint already confirmed for `request` if `freshness`
+        accepts it; None if not (then save a new one)."""
+        return self._call(self._async().answer_with_recent(request, freshness, step=step))
+
     def poll_control(self) -> ControlMessage | None:
         """The oldest control message not yet taken, without waiting."""
         client = self._async()
@@ -236,6 +254,10 @@ class JobClient:
     def wait_control(self, timeout: float) -> ControlMessage | None:
         """The next control message, or None after `timeout` seconds."""
         return self._call(self._async().next_control(timeout))
+
+    def take(self, request: CheckpointRequest | None) -> None:
+        """Mark `request` as being answered: checkpoint_requested no longer shows it."""
+        self._async().take_checkpoint_request(request)
 
     def checkpoint(
         self,

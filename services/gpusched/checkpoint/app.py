@@ -6,12 +6,13 @@ from gpusched.checkpoint.api import (
     GetSagaReply,
     LatestCheckpointReply,
     get_saga_subject,
+    job_history_subject,
     latest_checkpoint_subject,
 )
 from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.queries import Queries
-from gpusched.checkpoint.storage import FileStorage, NoStorage
+from gpusched.checkpoint.storage import Budget, FsspecStorage, NoStorage
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import access, bus
@@ -56,7 +57,15 @@ async def build(rt: ServiceRuntime) -> None:
     settings = rt.settings.checkpoint
     handlers = SagaHandlers(
         EvictionPolicies.from_settings(settings),
-        storage=FileStorage() if settings.verify_uris else NoStorage(),
+        storage=(
+            FsspecStorage(
+                settings.verify_schemes,
+                budget=Budget(settings.verify_budget_s, settings.verify_budget_s_per_gb),
+                parallelism=settings.verify_parallelism,
+            )
+            if settings.verify_uris
+            else NoStorage()
+        ),
         trust=TrustPolicy.from_settings(settings),
         retention_per_job=settings.retention_per_job,
     )
@@ -131,6 +140,9 @@ async def build(rt: ServiceRuntime) -> None:
             rt.uow, "sagas.get", queries.get_saga, lambda e: GetSagaReply(ok=False, error=e)
         ),
     )
+
+    # A job's own history: the endpoint itself lets a team read its own jobs' only.
+    rt.serve(job_history_subject(s), queries.job_history)
 
     async def sweep_deadlines() -> None:
         # Deadlines live in the database: whichever replica runs this (and a restarted

@@ -27,12 +27,11 @@ from typing import Any, Final
 from gpusched.checkpoint import store
 from gpusched.checkpoint.api import checkpoint_info
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
-from gpusched.checkpoint.storage import CheckpointStorage, FileStorage
+from gpusched.checkpoint.storage import CheckpointStorage, FsspecStorage
 from gpusched.checkpoint.verification import (
     ClaimCheck,
     MalformedUri,
     Verdict,
-    judge,
     judge_unverifiable,
     uri_scheme,
 )
@@ -131,7 +130,7 @@ class SagaHandlers:
     ) -> None:
         self._policies = policies
         self._now = clock
-        self._storage: CheckpointStorage = FileStorage() if storage is None else storage
+        self._storage: CheckpointStorage = FsspecStorage() if storage is None else storage
         self._trust = TrustPolicy({}) if trust is None else trust
         self._retention = retention_per_job
 
@@ -146,7 +145,9 @@ class SagaHandlers:
             why = "the request has a saga already"
             await _ignored(uow, known, "EvictionRequested", why, envelope.id)
             return
-        await store.remember_class(uow, request.job_id, request.priority_class.value, now)
+        await store.remember_class(
+            uow, request.job_id, request.priority_class.value, now, request.team
+        )
         policy = self._policies.for_class(request.priority_class.value)
         latest = await store.latest_checkpoint(uow, request.job_id)
         try:
@@ -224,7 +225,9 @@ class SagaHandlers:
     async def on_allocation_granted(self, envelope: Envelope, uow: UnitOfWork) -> None:
         granted = envelope.payload(wire.AllocationGranted)
         job_id = _require_token(granted.job_id, "job id")
-        await store.remember_class(uow, job_id, granted.priority_class.value, self._now())
+        await store.remember_class(
+            uow, job_id, granted.priority_class.value, self._now(), granted.team
+        )
 
     # --- job events -----------------------------------------------------------------------
 
@@ -240,7 +243,7 @@ class SagaHandlers:
             stage=Stage(confirmed.stage.value),
         )
         # Read storage before locking any saga row: hashing can take a while.
-        verdict, facts = await self._check(uow, job_id, ref)
+        verdict, facts = await self._check(uow, job_id, ref, confirmed.kind)
         now = self._now()
         sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
         if not verdict.counts:
@@ -262,7 +265,7 @@ class SagaHandlers:
             await self._apply(uow, saga, event, envelope.id, now)
 
     async def _check(
-        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef
+        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef, kind: wire.CheckpointKind
     ) -> tuple[Verdict, dict[str, str | None]]:
         """The verdict on a claim, and what it rests on for the audit record: the URI's
         scheme and (unless storage checked it) the job's priority class."""
@@ -272,9 +275,9 @@ class SagaHandlers:
             priority_class = await store.class_of(uow, job_id)
             verdict = Verdict(ClaimCheck.MALFORMED, str(exc))
             return verdict, {"scheme": None, "priority_class": priority_class}
-        facts = await self._storage.inspect(claim.uri, claim.bytes)
-        if facts is not None:
-            return judge(claim, facts), {"scheme": scheme}
+        checked = await self._storage.verify(claim, kind)
+        if checked is not None:
+            return checked, {"scheme": scheme, "kind": kind.value}
         priority_class = await store.class_of(uow, job_id)
         trusted = self._trust.trusts(priority_class, scheme)
         verdict = judge_unverifiable(job_id, scheme, priority_class, trusted)

@@ -1,36 +1,165 @@
-"""The storage adapter: reads what a checkpoint URI actually holds.
+"""The storage adapter: reads what a checkpoint URI actually holds, through fsspec.
 
-Only file:// is readable here (a local or shared filesystem the service sees); other
-schemes report None: unverifiable, so refused unless trusted for the job's class
-(checkpoint.trusted_schemes). Filesystem errors become facts (`exists=False` with the
-error), never exceptions out of the adapter.
+The schemes it reads are the ones the deployment names (checkpoint.verify_schemes:
+file by default; s3, gs, az with s3fs, gcsfs, adlfs installed), each with the
+credentials of its usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+AZURE_STORAGE_*). Other schemes report None: unverifiable, so refused unless trusted for
+the job's class (checkpoint.trusted_schemes).
+
+Hashing is I/O of up to many gigabytes: it runs off the event loop, the files of a
+manifest in parallel, within a time budget per GB (`verification.budget_s`); what is
+not done in time is reported unfinished, never waited for. A store that keeps a
+whole-object sha256 (S3 with ChecksumSHA256 of a single-part upload) is trusted for it
+instead of reading the object: the store computed and checked it on upload.
+
+Errors of the store become facts (`exists=False` with the error), never exceptions out
+of the adapter; an unreachable store is an outage (Unavailable): the consumer waits it
+out and verifies the same claim again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
-from pathlib import Path
-from typing import Final, Protocol
-from urllib.parse import unquote, urlparse
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+from urllib.parse import unquote, urlsplit
 
-from gpusched.checkpoint.verification import FILE_SCHEME, ObjectFacts
+from gpusched.checkpoint.verification import (
+    FILE_SCHEME,
+    ClaimCheck,
+    ManifestFacts,
+    ObjectFacts,
+    Verdict,
+    budget_s,
+    judge,
+    judge_manifest,
+    uri_scheme,
+)
+from gpusched.contracts.manifest import MAX_MANIFEST_BYTES, MalformedManifest, Manifest
+from gpusched.contracts.messages import CheckpointKind
+from gpusched.domain.saga import CheckpointRef
+from gpusched.infra.errors import Unavailable, is_outage
 
 _CHUNK: Final = 1 << 20
+# Library errors that say the store cannot be reached (botocore, aiohttp, google-auth,
+# azure-core), checked by name so no store's library has to be installed.
+_UNREACHABLE: Final = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "ServiceRequestError",
+        "TransportError",
+    }
+)
+DEFAULT_BUDGET_S: Final = 30.0
+DEFAULT_BUDGET_S_PER_GB: Final = 30.0
+DEFAULT_PARALLELISM: Final = 8
 
 
 class CheckpointStorage(Protocol):
-    async def inspect(self, uri: str, expected_bytes: int) -> ObjectFacts | None:
-        """What `uri` holds, or None if this storage cannot read that scheme."""
+    async def verify(self, claim: CheckpointRef, kind: CheckpointKind) -> Verdict | None:
+        """The verdict of storage on `claim`, or None if it cannot read its scheme."""
 
 
-class FileStorage:
-    async def inspect(self, uri: str, expected_bytes: int) -> ObjectFacts | None:
-        parsed = urlparse(uri)
-        if parsed.scheme != FILE_SCHEME:
+@dataclass(frozen=True)
+class Budget:
+    base_s: float = DEFAULT_BUDGET_S
+    per_gb_s: float = DEFAULT_BUDGET_S_PER_GB
+
+    def for_bytes(self, total: int) -> float:
+        return budget_s(total, self.base_s, self.per_gb_s)
+
+
+class FsspecStorage:
+    """Verifies claims on the schemes named in `schemes`, through fsspec."""
+
+    def __init__(
+        self,
+        schemes: Iterable[str] = (FILE_SCHEME,),
+        *,
+        budget: Budget | None = None,
+        parallelism: int = DEFAULT_PARALLELISM,
+    ) -> None:
+        self._schemes = frozenset(s.lower() for s in schemes)
+        for scheme in self._schemes:
+            require_backend(scheme)
+        self._budget = budget or Budget()
+        self._parallelism = max(1, parallelism)
+
+    async def verify(self, claim: CheckpointRef, kind: CheckpointKind) -> Verdict | None:
+        if uri_scheme(claim.uri) not in self._schemes:
             return None
-        # Hashing a large file is seconds of I/O: off the event loop.
-        return await asyncio.to_thread(_inspect_file, Path(unquote(parsed.path)), expected_bytes)
+        if kind is CheckpointKind.MANIFEST:
+            facts = await asyncio.to_thread(self._inspect_manifest, claim.uri, claim.bytes)
+            return judge_manifest(claim, facts)
+        budget = self._budget.for_bytes(claim.bytes)
+        deadline = time.monotonic() + budget
+        try:
+            fs, path = _locate(claim.uri)
+        except Exception as exc:
+            return judge(claim, _failure(exc))
+        found = await asyncio.to_thread(
+            _inspect, fs, path, claim.bytes, deadline, threading.Event()
+        )
+        if found is None:
+            why = f"{claim.uri}: not verified within the budget of {budget:.0f}s"
+            return Verdict(ClaimCheck.INCOMPLETE, why)
+        return judge(claim, found)
+
+    def _inspect_manifest(self, uri: str, expected_bytes: int) -> ManifestFacts:
+        try:
+            fs, path = _locate(uri)
+        except Exception as exc:
+            return ManifestFacts(manifest=_failure(exc))
+        raw, facts = _read_small(fs, path, expected_bytes)
+        if raw is None:
+            return ManifestFacts(manifest=facts)
+        try:
+            listed = Manifest.parse(raw)
+        except MalformedManifest as exc:
+            return ManifestFacts(manifest=facts, problem=str(exc))
+        budget = self._budget.for_bytes(listed.total_bytes)
+        deadline = time.monotonic() + budget
+        base = path.rsplit("/", 1)[0]
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(self._parallelism, thread_name_prefix="verify")
+        try:
+            futures: list[Future[ObjectFacts | None]] = [
+                pool.submit(_inspect, fs, f"{base}/{entry.path}", entry.bytes, deadline, stop)
+                for entry in listed.files
+            ]
+            wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            # Whatever is still hashing stops at its next chunk.
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+        checked: list[tuple[Any, ObjectFacts]] = []
+        unfinished = 0
+        for entry, future in zip(listed.files, futures, strict=True):
+            result = future.result() if future.done() and not future.cancelled() else None
+            if result is None:
+                unfinished += 1
+            else:
+                checked.append((entry, result))
+        return ManifestFacts(
+            manifest=facts,
+            listed=listed,
+            files=tuple(checked),
+            unfinished=unfinished,
+            budget_s=budget,
+        )
 
 
 class NoStorage:
@@ -38,22 +167,139 @@ class NoStorage:
     checkpoint.verify_uris = false): every claim is unverifiable, so only a scheme
     trusted for the job's class is accepted."""
 
-    async def inspect(self, uri: str, expected_bytes: int) -> ObjectFacts | None:
+    async def verify(self, claim: CheckpointRef, kind: CheckpointKind) -> Verdict | None:
         return None
 
 
-def _inspect_file(path: Path, expected_bytes: int) -> ObjectFacts:
+def require_backend(scheme: str) -> None:
+    """Raise ValueError (saying what to install) if fsspec cannot read `scheme`."""
+    import fsspec
+
     try:
-        if not path.is_file():
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(
+            f"checkpoint.verify_schemes names {scheme!r}, which this installation cannot "
+            f"read: {exc}"
+        ) from None
+
+
+def _locate(uri: str) -> tuple[Any, str]:
+    """The filesystem of a URI and the path on it (a file URI is percent-decoded, as
+    Path.as_uri encoded it)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    if uri_scheme(uri) == FILE_SCHEME:
+        return LocalFileSystem(), unquote(urlsplit(uri).path)
+    fs, path = url_to_fs(uri)
+    return fs, str(path)
+
+
+def _read_small(fs: Any, path: str, expected_bytes: int) -> tuple[bytes | None, ObjectFacts]:
+    """A manifest's bytes and facts; no bytes when it is missing or its size is not the
+    claimed one (or too large to be a manifest)."""
+    try:
+        size = _size(fs, path)
+        if size is None:
+            return None, ObjectFacts(exists=False)
+        if size != expected_bytes or size > MAX_MANIFEST_BYTES:
+            return None, ObjectFacts(exists=True, bytes=size)
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return None, ObjectFacts(exists=False)
+    except Exception as exc:
+        return None, _failure(exc)
+    if not isinstance(raw, bytes):
+        raw = bytes(raw)
+    return raw, ObjectFacts(exists=True, bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+
+
+def _inspect(
+    fs: Any, path: str, expected_bytes: int, deadline: float, stop: threading.Event
+) -> ObjectFacts | None:
+    """What one object holds; None if the deadline passed (or `stop` was set) first."""
+    try:
+        size = _size(fs, path)
+        if size is None:
             return ObjectFacts(exists=False)
-        size = path.stat().st_size
         if size != expected_bytes:
             # The claim is already false; do not read gigabytes to say so twice.
             return ObjectFacts(exists=True, bytes=size)
+        if (stored := _stored_sha256(fs, path)) is not None:
+            return ObjectFacts(exists=True, bytes=size, sha256=stored)
         digest = hashlib.sha256()
-        with path.open("rb") as f:
+        read = 0
+        with fs.open(path, "rb", block_size=_CHUNK) as f:
             while chunk := f.read(_CHUNK):
+                if stop.is_set() or time.monotonic() > deadline:
+                    return None
                 digest.update(chunk)
+                read += len(chunk)
+        if read != size:
+            return ObjectFacts(exists=True, bytes=read)  # changed while being read
         return ObjectFacts(exists=True, bytes=size, sha256=digest.hexdigest())
-    except OSError as exc:
-        return ObjectFacts(exists=False, error=f"{type(exc).__name__}: {exc}")
+    except FileNotFoundError:
+        return ObjectFacts(exists=False)
+    except Exception as exc:
+        return _failure(exc)
+
+
+def _size(fs: Any, path: str) -> int | None:
+    """The size of a plain object or file; None if there is none (a directory is none)."""
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    if info.get("type") != "file":
+        return None
+    if info.get("islink"):
+        # A link would let a claim make the service read (and report the size and
+        # digest of) any file it can see; a checkpoint's files are plain files.
+        raise _NotPlain(f"{path} is a symbolic link (not followed)")
+    size = info.get("size")
+    return int(size) if isinstance(size, int) else None
+
+
+class _NotPlain(Exception):
+    """What a claim names is no plain file: refused without being read."""
+
+
+def _stored_sha256(fs: Any, path: str) -> str | None:
+    """The whole-object sha256 the store itself computed and checked, if it keeps one."""
+    if "s3" not in _protocols(fs):
+        return None
+    bucket, _, key = path.partition("/")
+    head = fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    value = head.get("ChecksumSHA256")
+    # A multipart upload's checksum is a checksum of the parts' checksums ("...-N").
+    if not isinstance(value, str) or "-" in value or head.get("ChecksumType") == "COMPOSITE":
+        return None
+    try:
+        return base64.b64decode(value, validate=True).hex()
+    except ValueError:
+        return None
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _failure(exc: BaseException) -> ObjectFacts:
+    if isinstance(exc, _NotPlain):
+        return ObjectFacts(exists=False, error=str(exc))
+    if is_outage(exc) or _unreachable(exc):
+        raise Unavailable(f"checkpoint storage unreachable: {type(exc).__name__}: {exc}") from exc
+    return ObjectFacts(exists=False, error=f"{type(exc).__name__}: {exc}")
+
+
+def _unreachable(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ in _UNREACHABLE:
+            return True
+        current = current.__cause__ or current.__context__
+    return False

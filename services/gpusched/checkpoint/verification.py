@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Final
 from urllib.parse import urlsplit
 
+from gpusched.contracts.manifest import Manifest, ManifestFile
 from gpusched.domain.saga import CheckpointRef
 
 FILE_SCHEME: Final = "file"
@@ -29,6 +30,8 @@ class ClaimCheck(StrEnum):
     UNTRUSTED = "untrusted"  # not verifiable here, and its scheme is not trusted: refused
     MALFORMED = "malformed"  # not a URI, no scheme, or a file URI that is no local path
     FALSE = "false"  # storage contradicts the claim
+    # Readable, but the check did not finish within its time budget: not known to hold.
+    INCOMPLETE = "incomplete"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,20 @@ class ObjectFacts:
     bytes: int | None = None
     sha256: str | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class ManifestFacts:
+    """What storage holds for a manifest claim: the manifest object itself, what it
+    lists (None if it could not be read or parsed: `problem` says why), the facts of
+    each listed file checked in time, and how many were not checked within `budget_s`."""
+
+    manifest: ObjectFacts
+    listed: Manifest | None = None
+    problem: str | None = None
+    files: tuple[tuple[ManifestFile, ObjectFacts], ...] = ()
+    unfinished: int = 0
+    budget_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,3 +138,61 @@ def judge_unverifiable(
         f"{unread} and is not trusted for class {priority_class}; an operator may trust it "
         f'with checkpoint.trusted_schemes (e.g. {{"{priority_class}": ["{scheme}"]}})',
     )
+
+
+def judge_manifest(claim: CheckpointRef, facts: ManifestFacts) -> Verdict:
+    """A directory checkpoint's claim: the manifest against the claim, then every file
+    the manifest lists against the manifest. One file that storage contradicts makes
+    the whole checkpoint false: a resume would load it."""
+    manifest = judge(claim, facts.manifest)
+    if manifest.check is not ClaimCheck.VERIFIED:
+        return Verdict(manifest.check, f"manifest {manifest.why}")
+    listed = facts.listed
+    if listed is None:
+        return Verdict(ClaimCheck.FALSE, f"{claim.uri} is no checkpoint manifest: {facts.problem}")
+    if (listed.checkpoint_id, listed.step) != (claim.checkpoint_id, claim.step):
+        return Verdict(
+            ClaimCheck.FALSE,
+            f"{claim.uri} is the manifest of checkpoint {listed.checkpoint_id} at step "
+            f"{listed.step}, the job claimed {claim.checkpoint_id} at step {claim.step}",
+        )
+    wrong = [
+        f"{entry.path}: {why}"
+        for entry, seen in facts.files
+        if (why := judge_file(entry, seen)) is not None
+    ]
+    total = len(listed.files)
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        return Verdict(
+            ClaimCheck.FALSE,
+            f"{claim.uri}: {len(wrong)} of {total} listed files do not match: {wrong[0]}{more}",
+        )
+    if facts.unfinished or len(facts.files) < total:
+        unchecked = max(facts.unfinished, total - len(facts.files))
+        return Verdict(
+            ClaimCheck.INCOMPLETE,
+            f"{claim.uri}: {unchecked} of {total} listed files ({listed.total_bytes} bytes in "
+            f"all) were not verified within the budget of {facts.budget_s:.0f}s "
+            "(checkpoint.verify_budget_s + verify_budget_s_per_gb per GB)",
+        )
+    return Verdict(
+        ClaimCheck.VERIFIED,
+        f"{claim.uri}: manifest and its {total} files ({listed.total_bytes} bytes) match",
+    )
+
+
+def judge_file(entry: ManifestFile, facts: ObjectFacts) -> str | None:
+    """Why one listed file does not hold what the manifest says; None if it does."""
+    if not facts.exists:
+        return "missing" + (f" ({facts.error})" if facts.error else "")
+    if facts.bytes != entry.bytes:
+        return f"holds {facts.bytes} bytes, the manifest says {entry.bytes}"
+    if facts.sha256 != entry.sha256:
+        return f"has sha256 {facts.sha256}, the manifest says {entry.sha256}"
+    return None
+
+
+def budget_s(total_bytes: int, base_s: float, per_gb_s: float) -> float:
+    """The time a verification may take: a base plus so much per GB (10^9 bytes) listed."""
+    return base_s + per_gb_s * total_bytes / 1e9
