@@ -94,8 +94,8 @@ def ask_of(spec: SubmitJob) -> Ask:
     gpus, replicas = spec.gpus, spec.replicas
     return shared_ask(
         spec.team,
-        spec.kind,
-        spec.priority_class,
+        spec.kind.value,
+        spec.priority_class.value,
         (gpus.count, gpus.model, gpus.memory_gib, gpus.milli, gpus.min_count),
         None if replicas is None else (replicas.min, replicas.max),
     )
@@ -106,18 +106,18 @@ def ask_of(spec: SubmitJob) -> Ask:
 @functools.lru_cache(maxsize=4096)
 def shared_ask(
     team: str,
-    kind: messages.JobKind,
-    priority_class: PriorityClassName,
+    kind: str,
+    priority_class: str,
     gpus: tuple[int, str | None, float | None, int | None, int | None],
     replicas: tuple[int, int] | None,
 ) -> Ask:
-    """The one ``Ask`` of these values (``gpus``: count, model, memory, milli, min count;
-    ``replicas``: min, max)."""
+    """The one ``Ask`` of these values (``kind`` and ``priority_class`` as their names;
+    ``gpus``: count, model, memory, milli, min count; ``replicas``: min, max)."""
     count, model, memory_gib, milli, min_count = gpus
     return Ask(
         team,
-        kind,
-        priority_class,
+        messages.JobKind(kind),
+        PriorityClassName(priority_class),
         GpuRequest(
             count=count, model=model, memory_gib=memory_gib, milli=milli, min_count=min_count
         ),

@@ -11,14 +11,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from gpusched.contracts import messages
-from gpusched.contracts.messages import (
-    CheckpointInfo,
-    GpuRequest,
-    PriorityClassName,
-    Replicas,
-    SubmitJob,
-)
+from gpusched.contracts.messages import CheckpointInfo, GpuRequest, Replicas, SubmitJob
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import (
     Allocation,
@@ -123,15 +116,17 @@ class JobRecord:
             latest_checkpoint_at, replica_target, replica_seq, replica_failures,
             replica_restart_at, parked_reason, cancel_reason,
         ) = row  # fmt: skip
+        # Made for every queued job a full pass looks at: plain look-ups, no parsing
+        # where a value is empty.
         ask = shared_ask(
-            team, messages.JobKind(kind), PriorityClassName(priority_class),
-            (count, model, memory_gib, milli, min_count),
+            team, kind, priority_class, (count, model, memory_gib, milli, min_count),
             None if replicas_min is None else (replicas_min, replicas_max),
         )  # fmt: skip
         return cls(
-            job_id, ask, spec_json, JobState(state), attempt, allocation_id,
-            _checkpoint_json(resume_from), submitted_at, tuple(json.loads(warnings)),
-            wait_audited, json.loads(trace), _checkpoint_json(latest_checkpoint),
+            job_id, ask, spec_json, _STATES[state], attempt, allocation_id,
+            _checkpoint_json(resume_from), submitted_at,
+            () if warnings == "[]" else tuple(json.loads(warnings)), wait_audited,
+            {} if trace == "{}" else json.loads(trace), _checkpoint_json(latest_checkpoint),
             latest_checkpoint_at, replica_target, replica_seq, replica_failures,
             replica_restart_at, parked_reason, cancel_reason,
         )  # fmt: skip
@@ -174,6 +169,7 @@ class JobRecord:
 # What JobRecord.as_row gives: submission time, job id, team, priority class, then the rest.
 JobRow = tuple[Any, ...]
 _ROW_WAIT_AUDITED = 18
+_STATES = {state.value: state for state in JobState}
 
 
 def _json_or_none(checkpoint: CheckpointInfo | None) -> str | None:
