@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import nats
+import yaml
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,10 +40,16 @@ from bench.harness import Context, Figure, percentile
 from gpusched.admission import store
 from gpusched.admission.app import NAME as ADMISSION
 from gpusched.admission.app import SCHEMA
+from gpusched.admission.catalog import Catalog
+from gpusched.admission.index import FairOrder, QueueIndex
+from gpusched.admission.planning import Rules, plan
 from gpusched.admission.queue import JobState, new_job_id
+from gpusched.admission.store import JobRecord
 from gpusched.cli.stack import Stack, prepare
 from gpusched.contracts.messages import SubmitJob
 from gpusched.contracts.subjects import Subjects
+from gpusched.domain.inventory import parse_inventory
+from gpusched.domain.ledger import Ledger
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
 from gpusched.infra.embedded import free_port
 from gpusched.infra.settings import Settings
@@ -92,6 +99,29 @@ def _job(rng: random.Random, number: int) -> SubmitJob:
             "gpus": {"count": gpus},
         }
     )
+
+
+def full_pass_cpu(count: int) -> tuple[float, float]:
+    """CPU seconds of one full plan over a queue like the stored one (every job tried,
+    as after capacity grew), in this process, and of only walking that queue in the
+    plan's order: the floor of any full pass."""
+    inventory = parse_inventory(yaml.safe_load(_inventory()))
+    rng = random.Random(SEED)
+    start = datetime.now(UTC) - timedelta(seconds=count)
+    queue = QueueIndex()
+    for n in range(count):
+        at = start + timedelta(seconds=n)
+        record = JobRecord.of(new_job_id(), _job(rng, n), JobState.QUEUED, 0, None, None, at,
+                              (), True, {})  # fmt: skip
+        queue.put(record)
+    ledger = Ledger.from_inventory(inventory)
+    cpu = time.process_time()
+    plan(queue, ledger, {}, {}, datetime.now(UTC), Rules(Catalog(inventory)))
+    planned = time.process_time() - cpu
+    cpu = time.process_time()
+    for _ in FairOrder.of(queue, ledger, {}):
+        pass
+    return planned, time.process_time() - cpu
 
 
 async def fill(settings: Settings, count: int) -> None:
@@ -409,6 +439,8 @@ async def run(ctx: Context) -> list[Figure]:
         await nc.close()
         await asyncio.to_thread(stack.stop)
 
+    ctx.progress(f"{NAME}: one full pass over {QUEUED} queued jobs, in this process")
+    full_plan_s, walk_s = full_pass_cpu(QUEUED)
     passes = grew.total(f"{PASS}_count")
     pass_s = grew.total(f"{PASS}_sum")
     changed = grew.total("gpusched_admission_pass_changed_jobs_total")
@@ -461,6 +493,7 @@ async def run(ctx: Context) -> list[Figure]:
                "ms"),
         Figure(NAME, "pass_mean", pass_s / passes * 1000 if passes else 0.0, "ms"),
         Figure(NAME, "full_passes", grew.total(f"{PASS}_count", kind="full"), "passes"),
+        Figure(NAME, "full_pass_cpu", full_plan_s, "s", walk_s),
         Figure(NAME, "startup_s", startup.elapsed_s, "s"),
         Figure(NAME, "startup_submit_p99", percentile(startup.latencies_ms, 99), "ms",
                percentile(base, 99)),
