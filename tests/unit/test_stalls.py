@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Iterator
 
+import pytest
 from prometheus_client import REGISTRY
 
 from gpusched.infra import stalls
@@ -59,6 +61,16 @@ async def test_a_step_that_computes_on_the_loop_is_recorded_as_lag_spent_running
     assert _sample("gpusched_event_loop_lag_cpu_seconds_sum", service=service) >= 0.25
 
 
+@pytest.fixture
+def gc_timed() -> Iterator[None]:
+    """Collections timed for this test only (a signal landing in a collector callback is
+    lost: the rest of the session keeps none)."""
+    before = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = before
+
+
+@pytest.mark.usefixtures("gc_timed")
 def test_every_collection_is_timed_by_generation_and_timing_is_installed_once() -> None:
     stalls.time_gc_pauses()
     stalls.time_gc_pauses()

@@ -177,7 +177,6 @@ class ServiceRuntime:
     async def _run_until_stopped(self) -> None:
         metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         metrics.UP.labels(self.name).set(1)
-        stalls.time_gc_pauses()
         self._tasks.append(
             asyncio.create_task(stalls.watch_event_loop(self.name, self._stop), name="loop-lag")
         )
@@ -280,6 +279,10 @@ def run_service(
         # load).
         gc.collect()
         gc.freeze()
+        # Only in a service process: an exception a signal raises inside a collector
+        # callback is lost, and there its signals reach the event loop, not Python code
+        # (a runtime inside a test leaves pytest's Ctrl-C and timeouts alone).
+        stalls.time_gc_pauses()
         await runtime.run(handle_signals=True)
 
     asyncio.run(main())
