@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from gpusched.admission import planning
 from gpusched.admission.catalog import Catalog
+from gpusched.admission.index import QueueIndex
 from gpusched.admission.parking import Where
 from gpusched.admission.planning import JobFailed, Plan, Rules, plan
-from gpusched.admission.queue import JobState, QueueIndex
+from gpusched.admission.queue import JobState
 from gpusched.admission.reservations import Reservation
 from gpusched.admission.store import JobRecord
 from gpusched.contracts.messages import GpuRequest, PriorityClassName, SubmitJob
@@ -47,7 +48,7 @@ def job(
         name=job_id, team=team, priority_class=PriorityClassName(priority),
         gpus=GpuRequest(count=gpus),
     )  # fmt: skip
-    return JobRecord(
+    return JobRecord.of(
         job_id, spec, JobState.QUEUED, 0, None, None, T0 + timedelta(seconds=seconds), (), False,
         {},
     )  # fmt: skip
@@ -244,4 +245,4 @@ def test_the_queue_index_holds_what_was_put_and_not_dropped_each_team_in_order(
         for line in teams.values():
             keys = [(r.submitted_at, r.job_id) for r in line]
             assert keys == sorted(keys)
-            assert all(model[r.job_id] is r for r in line)
+            assert all(model[r.job_id] == r for r in line)

@@ -137,7 +137,7 @@ def job(job_id: str, team: str, minutes: int, priority: str = "p1-normal") -> Jo
         name=job_id, team=team, priority_class=PriorityClassName(priority),
         gpus=GpuRequest(count=1),
     )  # fmt: skip
-    return JobRecord(
+    return JobRecord.of(
         job_id, spec, JobState.QUEUED, 0, None, None, T0 + timedelta(minutes=minutes), (), False,
         {},
     )  # fmt: skip

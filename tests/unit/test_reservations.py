@@ -25,7 +25,7 @@ STARVE = timedelta(minutes=30)
 
 def gang(state: JobState = JobState.QUEUED, job_id: str = "job-big") -> JobRecord:
     spec = SubmitJob(name="big", team="vision", gpus=GpuRequest(count=4))
-    return JobRecord(
+    return JobRecord.of(
         job_id=job_id, spec=spec, state=state, attempt=0, allocation_id=None, resume_from=None,
         submitted_at=T0, warnings=(), wait_audited=True, trace={},
     )  # fmt: skip

@@ -20,7 +20,7 @@ def _scheduler() -> Scheduler:
 
 
 def _job(job_id: str) -> JobRecord:
-    return JobRecord(
+    return JobRecord.of(
         job_id=job_id,
         spec=SubmitJob(name="train", team="vision", gpus=GpuRequest(count=1)),
         state=JobState.QUEUED,

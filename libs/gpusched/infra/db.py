@@ -130,7 +130,6 @@ class UnitOfWork:
         # NOTIFY: a round trip per transaction instead of one per event (plus one).
         self._outbox: list[dict[str, Any]] = []
         self._committed = False
-        self.emitted: list[Envelope] = []
 
     async def __aenter__(self) -> Self:
         self._conn = await self._engine.connect()
@@ -215,6 +214,13 @@ class UnitOfWork:
         await self.conn.commit()
         self._committed = True
 
+    async def flush(self) -> None:
+        """Write the events emitted so far to the outbox now, in this transaction: a long
+        batch of decisions is written in parts, each a short step of the event loop.
+        They are published only after commit all the same (one NOTIFY at commit)."""
+        if self._outbox:
+            await self._write_outbox()
+
     async def _write_outbox(self) -> None:
         rows, self._outbox = self._outbox, []
         # WITH ORDINALITY ... ORDER BY: the rows take their seq in emit order, which is
@@ -296,7 +302,6 @@ class UnitOfWork:
                 "headers": json.dumps(headers),
             }
         )
-        self.emitted.append(envelope)
         return envelope
 
     def audit_event(

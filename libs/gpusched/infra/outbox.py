@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 QUERY_TIMEOUT_S = 30.0
+# Publishes between two turns of the event loop within a batch.
+YIELD_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -207,11 +209,15 @@ class OutboxRelay:
             futures: list[asyncio.Future[PubAck]] = []
 
             async def publish_all() -> None:
-                for _, msg_id, subject, payload, raw_headers, _ in rows:
+                for number, (_, msg_id, subject, payload, raw_headers, _) in enumerate(rows, 1):
                     # Most rows carry no trace context: skip parsing an empty object.
                     headers = json.loads(raw_headers) if raw_headers != "{}" else {}
                     headers["Nats-Msg-Id"] = msg_id
                     futures.append(await publish(subject, payload, headers=headers))
+                    if number % YIELD_EVERY == 0:
+                        # A publish rarely waits, so a full batch would hold the event
+                        # loop (and the service's API on it) for tens of milliseconds.
+                        await asyncio.sleep(0)
                 await asyncio.gather(*futures)
 
             try:

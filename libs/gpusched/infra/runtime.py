@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpusched.contracts.subjects import Subjects
-from gpusched.infra import bus, metrics, tls, tracing
+from gpusched.infra import bus, metrics, stalls, tls, tracing
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
 from gpusched.infra.errors import is_outage
 from gpusched.infra.leader import LeaderLease
@@ -177,6 +177,9 @@ class ServiceRuntime:
     async def _run_until_stopped(self) -> None:
         metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         metrics.UP.labels(self.name).set(1)
+        self._tasks.append(
+            asyncio.create_task(stalls.watch_event_loop(self.name, self._stop), name="loop-lag")
+        )
         if self._relay is not None:
             self._tasks.append(asyncio.create_task(self._relay.run(), name="outbox-relay"))
         for runner in self._consumers:
@@ -276,6 +279,10 @@ def run_service(
         # load).
         gc.collect()
         gc.freeze()
+        # Only in a service process: an exception a signal raises inside a collector
+        # callback is lost, and there its signals reach the event loop, not Python code
+        # (a runtime inside a test leaves pytest's Ctrl-C and timeouts alone).
+        stalls.time_gc_pauses()
         await runtime.run(handle_signals=True)
 
     asyncio.run(main())

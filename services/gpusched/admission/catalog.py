@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
+from typing import Protocol
 
-from gpusched.contracts import errors
-from gpusched.contracts.messages import ApiError, SubmitJob
+from gpusched.contracts import errors, messages
+from gpusched.contracts.messages import ApiError, GpuRequest, SubmitJob
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import JobKind, PriorityClass
 from gpusched.domain.quota import AboveMax, QuotaBook
@@ -39,6 +40,17 @@ class ErrorCode(StrEnum):
     CONFLICT = "conflict"
     # A capability the team was not given (e.g. process workloads).
     FORBIDDEN = errors.FORBIDDEN
+
+
+class Request(Protocol):
+    """What placement reads of a job's request: a submitted ``SubmitJob``, or the
+    ``queue.Ask`` a queued job keeps."""
+
+    @property
+    def kind(self) -> messages.JobKind: ...
+
+    @property
+    def gpus(self) -> GpuRequest: ...
 
 
 def refuse(code: ErrorCode, message: str) -> ApiError:
@@ -212,7 +224,7 @@ class Catalog:
         priority = PriorityClass(job.priority_class.value)
         return team is not None and not team.allows(priority)
 
-    def share_ask(self, job: SubmitJob, now: datetime | None) -> ShareAsk | None:
+    def share_ask(self, job: Request, now: datetime | None) -> ShareAsk | None:
         """Part of one GPU, or None for whole GPUs: a fraction (milli < 1000), or a MIG
         slice for an inference job of one GPU asking less memory than a MIG GPU has."""
         gpus = job.gpus
@@ -223,7 +235,7 @@ class Catalog:
             return ShareAsk(None, memory, self.overcommit, now, self.mig_change_interval)
         return None
 
-    def _mig_models(self, job: SubmitJob) -> dict[str, int]:
+    def _mig_models(self, job: Request) -> dict[str, int]:
         """MIG models (with their memory) a MIG slice for this job may come from."""
         gpus = job.gpus
         if (
@@ -242,7 +254,7 @@ class Catalog:
             and smallest_profile(model, gpus.memory_gib) is not None
         }
 
-    def models_to_try(self, job: SubmitJob) -> tuple[str | None, ...]:
+    def models_to_try(self, job: Request) -> tuple[str | None, ...]:
         """Placement candidates by model: the asked one, else the smallest GPUs that fit."""
         if mig := self._mig_models(job):
             # A MIG slice: the smallest MIG GPUs first, as for whole GPUs.
@@ -270,7 +282,7 @@ class Catalog:
             memory_gb += Decimal(node.memory_mib) / _MIB_PER_GIB * per_gpu
         return cores.quantize(_HOST_SHARE_QUANTUM), memory_gb.quantize(_HOST_SHARE_QUANTUM)
 
-    def _fitting(self, kind: JobKind, job: SubmitJob) -> list[_Group]:
+    def _fitting(self, kind: JobKind, job: Request) -> list[_Group]:
         memory = job.gpus.memory_gib
         # A fraction's memory cap may exceed one GPU's memory by the overcommit factor.
         factor = self.overcommit.factor(kind is JobKind.TRAINING) if _fraction(job) else 1.0
@@ -283,7 +295,7 @@ class Catalog:
         ]
 
 
-def _fraction(job: SubmitJob) -> bool:
+def _fraction(job: Request) -> bool:
     return job.gpus.milli is not None and job.gpus.milli < WHOLE_GPU_MILLI
 
 

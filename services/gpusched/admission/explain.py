@@ -14,7 +14,8 @@ from datetime import datetime
 from gpusched.domain.ledger import Ledger, Placement, PlacementRequest, default_pools
 
 from .catalog import Catalog
-from .queue import FairOrder, QueueIndex, Usage
+from .index import FairOrder, QueueIndex
+from .queue import Usage
 from .store import JobRecord
 
 
@@ -42,9 +43,9 @@ def find(
     sought only in the layouts GPUs have (no layout change).
     """
     reasons: list[str] = []
-    count = count or job.spec.gpus.count
-    share = catalog.share_ask(job.spec, now)
-    for model in catalog.models_to_try(job.spec):
+    count = count or job.gpus.count
+    share = catalog.share_ask(job.ask, now)
+    for model in catalog.models_to_try(job.ask):
         request = PlacementRequest(
             job.job_id, job.kind, count, model, exclude_nodes=held, share=share
         )
@@ -54,11 +55,11 @@ def find(
             continue
         if catalog.quotas is None:
             return Attempt(placement)
-        decision = catalog.quotas.decide(job.spec.team, placement.model, count, usage)
+        decision = catalog.quotas.decide(job.team, placement.model, count, usage)
         if decision.allowed:
             return Attempt(placement, borrowed=decision.borrowed)
         reasons.append(
-            f"quota: team {job.spec.team} holds {decision.used} {placement.model} GPUs; "
+            f"quota: team {job.team} holds {decision.used} {placement.model} GPUs; "
             f"{count} more would pass its max of {decision.quota.max} "
             f"(guaranteed {decision.quota.guaranteed}); it waits until the team frees some"
         )
@@ -113,7 +114,7 @@ def reservation_target(
     """The node a starving gang should collect freeing GPUs on: the one of its models and
     pools with the most free GPUs already (the shortest wait to complete the gang)."""
     best: tuple[int, str] | None = None
-    wanted = set(catalog.models_to_try(job.spec))
+    wanted = set(catalog.models_to_try(job.ask))
     for pool in default_pools(job.kind):
         counts: dict[str, int] = {}
         for ref in ledger.free_gpus(pool):

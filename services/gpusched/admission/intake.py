@@ -2,9 +2,10 @@
 
 A submit is answered only after the transaction holding its job row and its audit
 record committed, so every {ok: true} reply is durable and its idempotency key is
-taken. While one group commits, the submits arriving meanwhile gather for the next, so
-under load a transaction carries many jobs (one INSERT for the rows, one for the audit
-records) and when idle a lone submit commits at once, without waiting for company.
+taken. Up to WRITERS groups commit at once; while they do, the submits arriving
+meanwhile gather for the next, so under load a transaction carries many jobs (one
+INSERT for the rows, one for the audit records) and when idle a lone submit commits at
+once, without waiting for company.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from . import store
 from .queue import JobState, new_job_id
 
 log = logging.getLogger(__name__)
+
+# Groups committing at once: a submit that arrives while one group commits starts the
+# next at once instead of waiting a whole commit for its turn (each group is its own
+# transaction of distinct rows; a key taken by both is settled by the raced look-up).
+WRITERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,35 +60,34 @@ class Intake:
         self._uow = uow
         self._queued = queued
         self._waiting: list[_Waiting] = []
-        self._writer: asyncio.Task[None] | None = None
+        self._writers: set[asyncio.Task[None]] = set()
 
     async def submit(self, submission: Submission) -> SubmitReply:
         """The reply for ``submission``, once its group has committed (or failed)."""
         waiting = _Waiting(submission, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._write_groups())
+        if len(self._writers) < WRITERS:
+            writer = asyncio.create_task(self._write_groups())
+            self._writers.add(writer)
+            writer.add_done_callback(self._writers.discard)
         return await waiting.reply
 
     async def _write_groups(self) -> None:
-        try:
-            while self._waiting:
-                group, self._waiting = self._waiting, []
-                try:
-                    await self._commit(group)
-                except Exception as exc:
-                    if is_outage(exc) or len(group) == 1:
-                        _fail(group, exc)
-                        continue
-                    # One bad submit must not fail the others: each alone, in turn.
-                    log.exception("a group of %d submits failed; retrying one by one", len(group))
-                    for one in group:
-                        try:
-                            await self._commit([one])
-                        except Exception as exc_one:
-                            _fail([one], exc_one)
-        finally:
-            self._writer = None
+        while self._waiting:
+            group, self._waiting = self._waiting, []
+            try:
+                await self._commit(group)
+            except Exception as exc:
+                if is_outage(exc) or len(group) == 1:
+                    _fail(group, exc)
+                    continue
+                # One bad submit must not fail the others: each alone, in turn.
+                log.exception("a group of %d submits failed; retrying one by one", len(group))
+                for one in group:
+                    try:
+                        await self._commit([one])
+                    except Exception as exc_one:
+                        _fail([one], exc_one)
 
     async def _commit(self, group: Sequence[_Waiting]) -> None:
         replies: list[tuple[_Waiting, SubmitReply]] = []

@@ -8,6 +8,7 @@ scheduler's own ``find`` on the current ledger.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
@@ -43,11 +44,16 @@ from gpusched.infra.errors import is_outage
 
 from . import parking, replicas, reservations, store, wire
 from .catalog import Catalog, ErrorCode, refuse, submission_warnings
-from .explain import fair_order, find
+from .explain import find
+from .index import FairOrder, QueueIndex
 from .intake import Intake, Submission
 from .keeper import LedgerKeeper
 from .nodes import newest_checkpoint
 from .queue import Clock, JobState
+
+# Jobs put in the fair order between two turns of the event loop (`why` of a job deep in
+# a deep queue goes through every job ahead of it).
+_YIELD_EVERY = 1000
 
 
 class JobsApi:
@@ -105,8 +111,8 @@ class JobsApi:
                 return GetReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
-            if not access.caller().may_act_for(job.spec.team):
-                why = f"it belongs to team {job.spec.team}"
+            if not access.caller().may_act_for(job.team):
+                why = f"it belongs to team {job.team}"
                 return GetReply(
                     ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
@@ -115,9 +121,7 @@ class JobsApi:
                 held = await store.allocation(uow, job.allocation_id)
             reservation = await store.reservation_of(uow, job.job_id)
             service = (
-                None
-                if job.spec.replicas is None
-                else await store.live_allocations_of(uow, job.job_id)
+                None if job.replicas is None else await store.live_allocations_of(uow, job.job_id)
             )
         allocated = (
             []
@@ -219,7 +223,7 @@ class JobsApi:
                 "job.approved",
                 entity=job.job_id,
                 reason=f"{request.operator} approved {job.priority_class} for team "
-                f"{job.spec.team}" + (f": {request.reason}" if request.reason else ""),
+                f"{job.team}" + (f": {request.reason}" if request.reason else ""),
                 details={"operator": request.operator, "reason": request.reason},
             )
             await uow.commit()
@@ -246,26 +250,32 @@ class JobsApi:
                 return WhyReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
-            if not access.caller().may_act_for(job.spec.team):
-                why = f"it belongs to team {job.spec.team}"
+            if not access.caller().may_act_for(job.team):
+                why = f"it belongs to team {job.team}"
                 return WhyReply(
                     ok=False, error=await access.forbid(self._uow, "read", job.job_id, why)
                 )
-            if job.state is JobState.RUNNING and job.spec.replicas is not None:
+            if job.state is JobState.RUNNING and job.replicas is not None:
                 return await self._why_service(uow, job)
             if job.state is not JobState.QUEUED:
                 return WhyReply(
                     ok=True, job_id=job.job_id, state=job.state, reasons=_not_waiting(job)
                 )
+            # The queue before the ledger lock: reading a deep one takes a while.
+            queued = QueueIndex()
+            async for page in store.queued_pages(uow):
+                for other in page:
+                    queued.put(other)
             ledger = await self._keeper.read(uow)
-            queued = await store.queued_jobs(uow)
             reserved = {r.job_id: r for r in await store.reservations(uow)}
         usage = usage_of(ledger.allocations.values())
         ahead = []
-        for other in fair_order(queued, ledger, usage):
+        for number, other in enumerate(FairOrder.of(queued, ledger, usage), 1):
             if other.job_id == job.job_id:
                 break
             ahead.append(other)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a deep queue: let the other requests in
         # As the scheduler sees it: nodes reserved for a gang tried before this job.
         blockers = [reserved[other.job_id] for other in ahead if other.job_id in reserved]
         held = frozenset(node for r in blockers for node in r.nodes)
@@ -286,7 +296,7 @@ class JobsApi:
             reasons.insert(0, reservations.describe(reserved[job.job_id], self._clock()))
         if attempt.placement is None:
             reasons.extend(reservations.blocking(r) for r in blockers)
-        if job.spec.replicas is not None:
+        if job.replicas is not None:
             reasons[:0] = [
                 replicas.waiting_words(job, ledger),
                 *replicas.backoff_words(job, self._clock()),
@@ -300,14 +310,14 @@ class JobsApi:
         elif attempt.placement is not None:
             reasons.append(
                 "it fits now: the next scheduling pass places it"
-                if job.spec.replicas is None
+                if job.replicas is None
                 else "one replica fits now: the next pass places the missing min replicas "
                 "if they all fit together"
             )
         if ahead:
             names = ", ".join(
-                f"{other.job_id} ({other.priority_class}, team {other.spec.team}, "
-                f"{other.spec.gpus.count} GPUs)"
+                f"{other.job_id} ({other.priority_class}, team {other.team}, "
+                f"{other.gpus.count} GPUs)"
                 for other in ahead[:5]
             )
             more = f" and {len(ahead) - 5} more" if len(ahead) > 5 else ""
@@ -341,7 +351,7 @@ class JobsApi:
 def _not_waiting(job: store.JobRecord) -> list[str]:
     if job.state is JobState.HELD:
         return [
-            f"held for approval: {job.priority_class} is above team {job.spec.team}'s max "
+            f"held for approval: {job.priority_class} is above team {job.team}'s max "
             "priority class; an operator runs `gpusched approve "
             f"{job.job_id}` (or resubmit with a lower class)"
         ]

@@ -464,7 +464,7 @@ async def requeue_lost(
     work since is lost), an inference replica is placed again. The GPU-seconds lost."""
     cause = cause or f"node {node} failed"
     job = await store.job(uow, allocation.job_id)
-    if job is not None and job.spec.replicas is not None:
+    if job is not None and job.replicas is not None:
         await replicas.after_loss(
             uow, job, allocation.allocation_id, node, now, causation_id, cause=cause
         )

@@ -250,7 +250,7 @@ class Outcomes:
     ) -> None:
         job = await store.job(uow, stopped.job_id)
         assert job is not None  # allocations reference their job
-        if job.spec.replicas is not None:
+        if job.replicas is not None:
             ran_for = max(min(stopped.stopped_at, now) - held.allocation.granted_at, timedelta())
             await replicas.settle_stopped(
                 uow, job, stopped, envelope.id, now, ran_for, self._backoff

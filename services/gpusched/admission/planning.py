@@ -37,8 +37,9 @@ from gpusched.domain.ledger import (
 from . import replicas
 from .catalog import Catalog
 from .explain import Attempt, find, reservation_target
+from .index import FairOrder, QueueIndex
 from .parking import Where
-from .queue import FairOrder, JobState, QueueIndex, Usage, new_allocation_id, shape_of
+from .queue import JobState, Usage, new_allocation_id, shape_of
 from .reservations import Reservation, taken_reason
 from .store import JobRecord
 
@@ -179,7 +180,7 @@ class _Planner:
         out = self.out
         for job in order:
             out.examined += 1
-            where = Where.REPLICAS if job.spec.replicas is not None else Where.PLACEMENT
+            where = Where.REPLICAS if job.replicas is not None else Where.PLACEMENT
             try:
                 self._one(job, reserved)
             except Exception as exc:
@@ -208,7 +209,7 @@ class _Planner:
     def _one(self, job: JobRecord, reserved: dict[str, Reservation]) -> None:
         out, rules, now = self.out, self.rules, self.now
         waited = now - job.submitted_at
-        if job.spec.replicas is not None:
+        if job.replicas is not None:
             if self._backing_off(job):
                 return
             batch, attempt = self._replicas(job)
@@ -246,7 +247,7 @@ class _Planner:
     def _find(self, job: JobRecord, count: int | None = None) -> Attempt:
         # A job the ledger refuses with an error raises here: the caller parks it.
         catalog = self.rules.catalog
-        team = job.spec.team if catalog.quotas is not None else None
+        team = job.team if catalog.quotas is not None else None
         memo = (shape_of(job), team, count)
         known = self._failed.get(memo)
         if known is not None:
@@ -264,10 +265,10 @@ class _Planner:
 
     def _fewer(self, job: JobRecord, waited: timedelta, attempt: Attempt) -> Attempt | None:
         """After starve_after, a job that accepts fewer GPUs gets the most that fit."""
-        least = job.spec.gpus.min_count
+        least = job.gpus.min_count
         if attempt.placement is not None or least is None or waited < self.rules.starve_after:
             return None
-        for count in range(job.spec.gpus.count - 1, least - 1, -1):
+        for count in range(job.gpus.count - 1, least - 1, -1):
             fewer = self._find(job, count)
             if fewer.placement is not None:
                 return fewer
@@ -329,18 +330,18 @@ class _Planner:
         """Allocate in the ledger and charge the team (``allocation_id``/``attempt``: a
         service replica's, see replicas.py)."""
         granted = self.ledger.allocate(
-            allocation_id or self.ids(), placement, job.spec.team, job.priority_class,
+            allocation_id or self.ids(), placement, job.team, job.priority_class,
             self.now, borrowed=borrowed,
         )  # fmt: skip
         self._changed()
         assert self._order is not None
-        self._order.charge(job.spec.team, granted.model, len(granted.gpus))
+        self._order.charge(job.team, granted.model, len(granted.gpus))
         warnings = list(job.warnings)
-        if len(placement.gpus) < job.spec.gpus.count:
+        if len(placement.gpus) < job.gpus.count:
             warnings.append(
-                f"offered {len(placement.gpus)} of {job.spec.gpus.count} GPUs after waiting "
+                f"offered {len(placement.gpus)} of {job.gpus.count} GPUs after waiting "
                 f"over {int(self.rules.starve_after.total_seconds() // 60)} min (min_count "
-                f"{job.spec.gpus.min_count})"
+                f"{job.gpus.min_count})"
             )
         if granted.spans_nodes:
             warning = f"spans nodes {', '.join(placement.nodes)}: gang traffic crosses the network"
@@ -357,7 +358,7 @@ class _Planner:
         ledger = self.ledger
         live = len(replicas.live_replicas(ledger, service.job_id))
         wanted = service.replicas_wanted - live
-        spec = service.spec.replicas
+        spec = service.replicas
         assert spec is not None  # callers pass services only
         queued = service.state is JobState.QUEUED
         at_least = max(spec.min - live, 0) if queued else 0
@@ -387,7 +388,7 @@ class _Planner:
             ledger.release(one.granted.allocation_id, self.now)
             self._changed()
             assert self._order is not None
-            self._order.charge(service.spec.team, one.granted.model, -len(one.granted.gpus))
+            self._order.charge(service.team, one.granted.model, -len(one.granted.gpus))
 
         placed, undone = replicas.place_replicas(at_least, wanted, place_one, undo)
         if undone:

@@ -123,7 +123,7 @@ def place_replicas(
 
 
 def view(job: store.JobRecord, live: Sequence[str]) -> ReplicaView | None:
-    replicas = job.spec.replicas
+    replicas = job.replicas
     if replicas is None:
         return None
     return ReplicaView(
@@ -143,11 +143,11 @@ def live_replicas(ledger: d.Ledger, job_id: str) -> list[str]:
 
 def waiting_words(job: store.JobRecord, ledger: d.Ledger) -> str:
     """Why a queued service waits, beyond what one replica's placement says."""
-    replicas = job.spec.replicas
+    replicas = job.replicas
     assert replicas is not None
     live = len(live_replicas(ledger, job.job_id))
     return (
-        f"an inference service: its min {replicas.min} replicas of {job.spec.gpus.count} GPU(s) "
+        f"an inference service: its min {replicas.min} replicas of {job.gpus.count} GPU(s) "
         f"each are placed together or not at all ({live} running); then more up to its "
         f"target {job.replicas_wanted} as GPUs of the inference pool or lent to it free up"
     )
@@ -167,7 +167,7 @@ async def settle_stopped(
     service's target stands; one that completed lowers the target, and the service ends
     when its last replica completed."""
     live = await _stored_live(uow, job.job_id)
-    replicas = job.spec.replicas
+    replicas = job.replicas
     assert replicas is not None  # callers route only services here
     details: dict[str, object] = {"allocation_id": stopped.allocation_id, "live": len(live)}
     action = ReplicaAction.STOPPED
@@ -236,7 +236,7 @@ async def after_loss(
     """A replica ended with its node (or was interrupted: ``cause``): the pass places it
     again (all of the missing ones up to min together, as at the start)."""
     live = await _stored_live(uow, job.job_id)
-    replicas = job.spec.replicas
+    replicas = job.replicas
     assert replicas is not None
     if len(live) < replicas.min and job.state is JobState.RUNNING:
         await store.set_job_state(uow, job.job_id, JobState.QUEUED, now)
@@ -282,12 +282,12 @@ class ReplicaOps:
                 return ScaleReply(
                     ok=False, error=refuse(ErrorCode.NOT_FOUND, f"no job {request.job_id!r}")
                 )
-            if not access.caller().may_act_for(job.spec.team):
-                why = f"it belongs to team {job.spec.team}; an operator scales any service"
+            if not access.caller().may_act_for(job.team):
+                why = f"it belongs to team {job.team}; an operator scales any service"
                 return ScaleReply(
                     ok=False, error=await access.forbid(self._uow, "scale", job.job_id, why)
                 )
-            replicas = job.spec.replicas
+            replicas = job.replicas
             if replicas is None:
                 return ScaleReply(
                     ok=False,

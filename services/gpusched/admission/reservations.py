@@ -48,7 +48,7 @@ def lapsed(
 
 def taken_reason(job: JobRecord, node: str, free: int, waited: timedelta) -> str:
     return (
-        f"waited {int(waited.total_seconds())} s for {job.spec.gpus.count} GPUs: node {node} "
+        f"waited {int(waited.total_seconds())} s for {job.gpus.count} GPUs: node {node} "
         f"({free} free now) is held for it as GPUs free up; other nodes keep serving "
         "smaller jobs"
     )

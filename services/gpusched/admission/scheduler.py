@@ -24,17 +24,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from prometheus_client import Counter, Histogram
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import T
-from gpusched.domain.ledger import Ledger, default_pools
+from gpusched.domain.inventory import Pool
+from gpusched.domain.ledger import JobKind, Ledger, default_pools
 from gpusched.domain.quota import usage_of
 from gpusched.infra.db import Outgoing, UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import is_outage
@@ -43,17 +46,28 @@ from . import mig, parking, store, wire
 from .catalog import WHOLE_GPU_MILLI, Catalog
 from .credentials import JobCredentials
 from .explain import Attempt
+from .index import QueueIndex
 from .keeper import LedgerKeeper
 from .planning import Grant, JobFailed, Plan, Reserving, Rules, plan
-from .queue import Clock, QueueIndex
+from .queue import Clock
 from .reservations import Reservation, ReservationEnd, ended_reason, lapsed
 from .store import JobRecord
 
 log = logging.getLogger(__name__)
+_Item = TypeVar("_Item")
 
 # A pass parks at most this many jobs before it gives up for this tick (each park
 # removes one job from the queue, so this only bounds one tick's work).
 _MOST_PARKED_PER_PASS = 50
+# A plan's events are written this many jobs at a time (a first pass over a deep queue
+# audits every job as waiting), and built this many between two turns of the event
+# loop (each is a few tens of microseconds of pydantic and JSON).
+_WRITE_PART = 200
+_BUILD_PART = 25
+# An incremental pass over at most this many jobs plans on the event loop (~20 µs a job).
+_PLAN_INLINE = 500
+# In-memory bookkeeping over many jobs lets the loop run other work this often.
+_YIELD_EVERY = 500
 # How long a running service whose top-up failed gets no new replica.
 _TOPUP_PAUSE = timedelta(minutes=5)
 
@@ -73,38 +87,70 @@ PASS_CHANGED = Counter(
 class QueuedJobs:
     """The queue in memory, kept in step with the job rows by their change stamps.
 
-    ``refresh`` (under the ledger lock, so no job leaves the queue meanwhile) reads the
-    rows changed since its last read: queued ones are put in the index, the others
-    dropped. It returns the ids of the queued jobs that changed other than by this
-    pass's own bookkeeping (marking a job audited as waiting is no news to plan on).
+    ``load`` reads the queue once, page by page, each page a short step of the event
+    loop, without the ledger lock: whatever changes meanwhile is stamped after its
+    mark and read again. From then on each read takes in only the rows changed since
+    the last one: queued ones are put in the index, the others dropped. ``any_news``
+    reads without the ledger lock (the tick that finds nothing to do takes no lock);
+    ``refresh``, under the lock at the start of a pass, reads the rest and returns the
+    ids of the queued jobs that changed since the last pass other than by this
+    scheduler's own bookkeeping (marking a job audited as waiting is no news to plan on).
+    Either read takes its rows in, so no row is parsed twice.
     """
 
     def __init__(self) -> None:
         self.index = QueueIndex()
         self._mark: int | None = None
+        # Taken in since the last pass: queued jobs with news, and whether a job held
+        # in the index left the queue.
+        self._news: set[str] = set()
+        self._left = False
 
     @property
     def loaded(self) -> bool:
         return self._mark is not None
 
+    async def load(self, uow: UnitOfWork) -> None:
+        """The first read of the queue (every queued job is news)."""
+        mark = await store.change_mark(uow)
+        async for page in store.queued_pages(uow):
+            for job in page:
+                self.index.put(job)
+                self._news.add(job.job_id)
+        self._mark = mark
+
     async def any_news(self, uow: UnitOfWork) -> bool:
-        """Whether a job changed since the last read other than by this scheduler's own
-        bookkeeping. Without the ledger lock: if the only changes are its own, they are
-        taken in (the index stays right) and the next read starts after them."""
+        """Whether a job changed since the last pass other than by this scheduler's own
+        bookkeeping."""
         if self._mark is None:
             return True
-        if not await store.any_changed_since(uow, self._mark):
-            return False
-        mark = await store.change_mark(uow)
-        queued, gone = await store.jobs_changed_since(uow, self._mark)
-        if self._news(queued) or any(job_id in self.index for job_id in gone):
-            return True
-        for job in queued:
-            self.index.put(job)
-        self._mark = mark
-        return False
+        if await store.any_changed_since(uow, self._mark):
+            await self._take_in(uow)
+        return bool(self._news) or self._left
 
-    def _news(self, queued: Sequence[JobRecord]) -> set[str]:
+    async def refresh(self, uow: UnitOfWork) -> set[str]:
+        await self._take_in(uow)
+        changed = self._news
+        self._news, self._left = set(), False
+        PASS_CHANGED.inc(len(changed))
+        return changed
+
+    async def _take_in(self, uow: UnitOfWork) -> None:
+        assert self._mark is not None, "load the queue first"
+        mark = await store.change_mark(uow)
+        queued, gone = await store.jobs_changed_since(uow, self._mark, self.index.get)
+        self._news |= self._news_in(queued)
+        for number, job in enumerate(queued, 1):
+            self.index.put(job)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+        for job_id in gone:
+            self._left = self._left or job_id in self.index
+            self.index.drop(job_id)
+        self._news -= gone
+        self._mark = mark
+
+    def _news_in(self, queued: Sequence[JobRecord]) -> set[str]:
         """The ids of these queued jobs that are new or changed beyond being audited."""
         news: set[str] = set()
         for job in queued:
@@ -113,27 +159,13 @@ class QueuedJobs:
                 news.add(job.job_id)
         return news
 
-    async def refresh(self, uow: UnitOfWork) -> set[str]:
-        mark = await store.change_mark(uow)
-        if self._mark is None:
-            queued, gone = await store.queued_now(uow), set[str]()
-        else:
-            queued, gone = await store.jobs_changed_since(uow, self._mark)
-        changed = self._news(queued)
-        for job in queued:
-            self.index.put(job)
-        for job_id in gone:
-            self.index.drop(job_id)
-        self._mark = mark
-        PASS_CHANGED.inc(len(changed))
-        return changed
-
-    def audited(self, job_ids: Sequence[str]) -> None:
-        """These jobs were just audited as waiting (what the stored rows now say)."""
-        for job_id in job_ids:
-            job = self.index.get(job_id)
-            if job is not None:
-                self.index.put(dataclasses.replace(job, wait_audited=True))
+    async def audited(self, job_ids: Sequence[str]) -> None:
+        """These jobs were just audited as waiting: what the stored rows now say, though
+        the rows are not stamped as changed for it (migration 0004)."""
+        for number, job_id in enumerate(job_ids, 1):
+            self.index.audited(job_id)
+            if number % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a first pass marks the whole queue
 
 
 class Scheduler:
@@ -279,6 +311,11 @@ class Scheduler:
             return version == self._settled and not await self._queue.any_news(uow)
 
     async def _pass(self) -> int:
+        if not self._queue.loaded:
+            # Before the ledger lock: reading a deep queue takes a while, and nothing
+            # that changes meanwhile is missed (see QueuedJobs).
+            async with self._uow() as uow:
+                await self._queue.load(uow)
         if await self._nothing_new():
             return 0
         started_at = time.perf_counter()
@@ -303,13 +340,15 @@ class Scheduler:
             # Running services below their target are topped up by every pass (few).
             services = await store.running_services(uow)
             if only is None or only or services:
-                # Pure and possibly long (a full pass over a deep queue): in a thread, so
-                # the event loop goes on answering. The ledger lock keeps every other
-                # user of the ledger away meanwhile.
-                outcome = await asyncio.to_thread(
+                planning = functools.partial(
                     plan, queue, ledger, usage_of(ledger.allocations.values()), reserved, now,
                     self._rules, only=only, services=services,
                 )  # fmt: skip
+                # Planning a deep queue is long: in a thread, so the event loop goes on
+                # answering (the ledger lock keeps every other user of the ledger away
+                # meanwhile). A few jobs plan quicker than the hand-over to a thread.
+                few = only is not None and len(only) <= _PLAN_INLINE
+                outcome = planning() if few else await asyncio.to_thread(planning)
                 ended.extend(
                     (reservation, ReservationEnd.PLACED, job)
                     for reservation, job in outcome.placed_reserved
@@ -330,7 +369,7 @@ class Scheduler:
             )  # fmt: skip
         for grant in outcome.grants:
             queue.drop(grant.job.job_id)
-        self._queue.audited([job.job_id for job, _ in outcome.waiting])
+        await self._queue.audited([job.job_id for job, _ in outcome.waiting])
         PASS_SECONDS.labels("full" if full else "incremental").observe(
             time.perf_counter() - started_at
         )
@@ -387,14 +426,26 @@ class Scheduler:
                 ],
                 now,
             )
-            await uow.emit_many(
-                [event for grant in grants for event in self._grant_events(uow, ledger, grant)]
-            )
-        if outcome.waiting:
-            await uow.emit_many(
-                [self._wait_audit(uow, ledger, job, attempt) for job, attempt in outcome.waiting]
-            )
-            await store.mark_waiting(uow, [job.job_id for job, _ in outcome.waiting], now)
+            for part in _parts(grants, _WRITE_PART):
+                for some in _parts(part, _BUILD_PART):
+                    await uow.emit_many(
+                        [
+                            event
+                            for grant in some
+                            for event in self._grant_events(uow, ledger, grant)
+                        ]
+                    )
+                    await asyncio.sleep(0)
+                await uow.flush()
+        free: dict[JobKind, dict[Pool, int]] = {}
+        for waiting in _parts(outcome.waiting, _WRITE_PART):
+            for few in _parts(waiting, _BUILD_PART):
+                await uow.emit_many(
+                    [self._wait_audit(uow, ledger, free, job, attempt) for job, attempt in few]
+                )
+                await asyncio.sleep(0)
+            await uow.flush()
+            await store.mark_waiting(uow, [job.job_id for job, _ in waiting], now)
 
     def _grant_events(self, uow: UnitOfWork, ledger: Ledger, grant: Grant) -> list[Outgoing]:
         job, granted, attempt = grant.job, grant.granted, grant.attempt
@@ -483,21 +534,37 @@ class Scheduler:
             )
 
     def _wait_audit(
-        self, uow: UnitOfWork, ledger: Ledger, job: JobRecord, attempt: Attempt
+        self,
+        uow: UnitOfWork,
+        ledger: Ledger,
+        free: dict[JobKind, dict[Pool, int]],
+        job: JobRecord,
+        attempt: Attempt,
     ) -> Outgoing:
-        pools = default_pools(job.kind)
-        free = {pool: len(ledger.free_gpus(pool)) for pool in pools}
+        """``free``: the free GPUs per pool by job kind, filled as needed (the ledger does
+        not change while a plan is written)."""
+        pools = free.get(job.kind)
+        if pools is None:
+            pools = free[job.kind] = {
+                pool: len(ledger.free_gpus(pool)) for pool in default_pools(job.kind)
+            }
         return uow.audit_event(
             "job.waiting",
             entity=job.job_id,
             reason=(
-                f"needs {job.spec.gpus.count} x {job.spec.gpus.model or 'any model'} in one "
-                f"gang; free now: " + ", ".join(f"{pool} {count}" for pool, count in free.items())
+                f"needs {job.gpus.count} x {job.gpus.model or 'any model'} in one "
+                f"gang; free now: " + ", ".join(f"{pool} {count}" for pool, count in pools.items())
             ),
             details={
                 "attempt": job.attempt,
                 "priority_class": job.priority_class,
-                "free": {str(pool): count for pool, count in free.items()},
+                "free": {str(pool): count for pool, count in pools.items()},
                 "reasons": list(attempt.reasons),
             },
         )
+
+
+def _parts(items: Sequence[_Item], size: int) -> Iterator[Sequence[_Item]]:
+    """``items`` in slices of ``size``."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

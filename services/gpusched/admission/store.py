@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import text
 
-from gpusched.contracts.messages import CheckpointInfo, SubmitJob
+from gpusched.contracts.messages import CheckpointInfo, GpuRequest, Replicas, SubmitJob
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import (
     Allocation,
@@ -23,14 +24,26 @@ from gpusched.domain.ledger import (
 from gpusched.domain.sharing import GpuShare
 from gpusched.infra.db import UnitOfWork
 
-from .queue import EvictionOutcome, JobState
+from .queue import Ask, EvictionOutcome, JobState, ask_of, shared_ask
 from .reservations import Reservation
 
 
 @dataclass(frozen=True, slots=True)
 class JobRecord:
+    """A stored job, as admission holds it.
+
+    Compact on purpose: the in-memory queue holds one per queued job, and each full
+    collection of the cyclic garbage collector walks every container object the process
+    holds. A parsed request is ~10 such objects (the pydantic models, their field sets,
+    the argv list); with 50,000 jobs queued those walks paused the event loop, and so
+    every API reply, for 0.4-2 s each, a few times a minute. So the record keeps the
+    request as its stored JSON text (``spec`` parses it when asked, for what scheduling
+    does not read) and the part scheduling reads as an ``Ask`` shared by every job that
+    asks the same: one tracked object per job."""
+
     job_id: str
-    spec: SubmitJob
+    ask: Ask
+    spec_json: str
     state: JobState
     attempt: int
     allocation_id: str | None
@@ -48,21 +61,127 @@ class JobRecord:
     parked_reason: str | None = None
     cancel_reason: str | None = None
 
+    @classmethod
+    def of(
+        cls,
+        job_id: str,
+        spec: SubmitJob,
+        state: JobState,
+        attempt: int,
+        allocation_id: str | None,
+        resume_from: CheckpointInfo | None,
+        submitted_at: datetime,
+        warnings: tuple[str, ...],
+        wait_audited: bool,
+        trace: dict[str, str],
+        **more: Any,
+    ) -> JobRecord:
+        """A record of a validated request (``more``: the optional fields)."""
+        return cls(
+            job_id, ask_of(spec), spec.model_dump_json(), state, attempt, allocation_id,
+            resume_from, submitted_at, warnings, wait_audited, trace, **more,
+        )  # fmt: skip
+
+    def as_row(self) -> JobRow:
+        """The record as a flat tuple of plain values, submission time and id first, so
+        rows sort as the queue orders jobs; back with ``from_row``. The in-memory queue
+        holds its jobs so (see index.QueueIndex): the collector stops tracking a tuple
+        that holds only strings, numbers, times and None, but not one holding another
+        tuple or a dict it has not got round to, hence the lists as JSON text."""
+        ask, gpus = self.ask, self.ask.gpus
+        replicas = ask.replicas
+        return (
+            self.submitted_at, self.job_id, ask.team, ask.priority_class.value,
+            ask.kind.value, gpus.count, gpus.model, gpus.memory_gib, gpus.milli,
+            gpus.min_count, None if replicas is None else replicas.min,
+            None if replicas is None else replicas.max, self.spec_json, self.state.value,
+            self.attempt, self.allocation_id, _json_or_none(self.resume_from),
+            _dumps(self.warnings), self.wait_audited, _dumps(self.trace),
+            _json_or_none(self.latest_checkpoint), self.latest_checkpoint_at,
+            self.replica_target, self.replica_seq, self.replica_failures,
+            self.replica_restart_at, self.parked_reason, self.cancel_reason,
+        )  # fmt: skip
+
+    @staticmethod
+    def audited_row(row: JobRow) -> JobRow:
+        """``row`` with its wait audited (without making the record)."""
+        return (*row[:_ROW_WAIT_AUDITED], True, *row[_ROW_WAIT_AUDITED + 1 :])
+
+    @classmethod
+    def from_row(cls, row: JobRow) -> JobRecord:
+        (
+            submitted_at, job_id, team, priority_class, kind, count, model, memory_gib, milli,
+            min_count, replicas_min, replicas_max, spec_json, state, attempt, allocation_id,
+            resume_from, warnings, wait_audited, trace, latest_checkpoint,
+            latest_checkpoint_at, replica_target, replica_seq, replica_failures,
+            replica_restart_at, parked_reason, cancel_reason,
+        ) = row  # fmt: skip
+        # Made for every queued job a full pass looks at: plain look-ups, no parsing
+        # where a value is empty.
+        ask = shared_ask(
+            team, kind, priority_class, (count, model, memory_gib, milli, min_count),
+            None if replicas_min is None else (replicas_min, replicas_max),
+        )  # fmt: skip
+        return cls(
+            job_id, ask, spec_json, _STATES[state], attempt, allocation_id,
+            _checkpoint_json(resume_from), submitted_at,
+            () if warnings == "[]" else tuple(json.loads(warnings)), wait_audited,
+            {} if trace == "{}" else json.loads(trace), _checkpoint_json(latest_checkpoint),
+            latest_checkpoint_at, replica_target, replica_seq, replica_failures,
+            replica_restart_at, parked_reason, cancel_reason,
+        )  # fmt: skip
+
+    @property
+    def spec(self) -> SubmitJob:
+        """The whole request, parsed anew on each call (it was validated when read)."""
+        return SubmitJob.model_validate_json(self.spec_json)
+
+    @property
+    def team(self) -> str:
+        return self.ask.team
+
+    @property
+    def gpus(self) -> GpuRequest:
+        return self.ask.gpus
+
+    @property
+    def replicas(self) -> Replicas | None:
+        """An inference service's replicas (None: a job of one allocation)."""
+        return self.ask.replicas
+
     @property
     def kind(self) -> JobKind:
-        return JobKind(self.spec.kind.value)
+        return JobKind(self.ask.kind.value)
 
     @property
     def replicas_wanted(self) -> int:
         """An inference service's replica target: its max until a scale request moves it."""
-        replicas = self.spec.replicas
+        replicas = self.ask.replicas
         if replicas is None:
             return 1
         return replicas.max if self.replica_target is None else self.replica_target
 
     @property
     def priority_class(self) -> PriorityClass:
-        return PriorityClass(self.spec.priority_class.value)
+        return PriorityClass(self.ask.priority_class.value)
+
+
+# What JobRecord.as_row gives: submission time, job id, team, priority class, then the rest.
+JobRow = tuple[Any, ...]
+_ROW_WAIT_AUDITED = 18
+_STATES = {state.value: state for state in JobState}
+
+
+def _json_or_none(checkpoint: CheckpointInfo | None) -> str | None:
+    return None if checkpoint is None else checkpoint.model_dump_json()
+
+
+def _checkpoint_json(text: str | None) -> CheckpointInfo | None:
+    return None if text is None else CheckpointInfo.model_validate_json(text)
+
+
+def _dumps(value: tuple[str, ...] | dict[str, str]) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 class UnreadableJob(Exception):
@@ -326,17 +445,26 @@ def _checkpoint(value: Any) -> CheckpointInfo | None:
     return None if value is None else CheckpointInfo.model_validate(value)
 
 
-def _job(row: Any) -> JobRecord:
+def _job(row: Any, held: JobRecord | None = None) -> JobRecord:
+    """The record of a job row; ``held``: the record already held of that job, whose
+    request is not parsed again if its text did not change."""
     try:
-        return _parse_job(row)
+        return _parse_job(row, held)
     except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError included
         raise UnreadableJob(row.job_id, exc) from exc
 
 
-def _parse_job(row: Any) -> JobRecord:
+def _parse_job(row: Any, held: JobRecord | None) -> JobRecord:
+    if held is not None and held.spec_json == row.spec:
+        ask = held.ask
+    else:
+        # Validated whole, so a row that no longer parses is found here (and parked),
+        # not when some later step asks for a field scheduling does not read.
+        ask = ask_of(SubmitJob.model_validate_json(row.spec))
     return JobRecord(
         job_id=row.job_id,
-        spec=SubmitJob.model_validate(row.spec),
+        ask=ask,
+        spec_json=row.spec,
         state=JobState(row.state),
         attempt=row.attempt,
         allocation_id=row.allocation_id,
@@ -354,6 +482,20 @@ def _parse_job(row: Any) -> JobRecord:
         parked_reason=row.parked_reason,
         cancel_reason=row.cancel_reason,
     )
+
+
+# Rows parsed between two turns of the event loop when many are read at once.
+_YIELD_EVERY = 100
+# Queued jobs read per statement when the whole queue is read.
+_QUEUE_PAGE = 200
+
+# What a JobRecord is read from: the request as text (jsonb::text), not as a decoded
+# document that would only be parsed again.
+_JOB_COLUMNS = (
+    "job_id, spec::text AS spec, state, attempt, allocation_id, resume_from, submitted_at, "
+    "warnings, wait_audited, trace, latest_checkpoint, latest_checkpoint_at, replica_target, "
+    "replica_seq, replica_failures, replica_restart_at, parked_reason, cancel_reason"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,7 +559,9 @@ async def insert_jobs(uow: UnitOfWork, jobs: Sequence[NewJob]) -> set[str]:
 
 async def job(uow: UnitOfWork, job_id: str) -> JobRecord | None:
     row = (
-        await uow.execute(f"SELECT * FROM {_t(uow, 'jobs')} WHERE job_id = :id", {"id": job_id})
+        await uow.execute(
+            f"SELECT {_JOB_COLUMNS} FROM {_t(uow, 'jobs')} WHERE job_id = :id", {"id": job_id}
+        )
     ).first()
     return None if row is None else _job(row)
 
@@ -524,13 +668,14 @@ async def started_on(uow: UnitOfWork, nodes: Sequence[str]) -> list[tuple[str, s
     return [(row.allocation_id, row.job_id) for row in rows]
 
 
-async def queued_jobs(uow: UnitOfWork) -> list[JobRecord]:
-    """Queued jobs in submission order; the scheduler ranks them by priority class."""
-    rows = await uow.execute(
-        f"SELECT * FROM {_t(uow, 'jobs')} WHERE state = :queued ORDER BY submitted_at, job_id",
-        {"queued": JobState.QUEUED},
-    )
-    return [_job(row) for row in rows]
+async def queued_pages(uow: UnitOfWork) -> AsyncIterator[list[JobRecord]]:
+    """Every queued job in submission order (the scheduler ranks them by priority
+    class), a page at a time: a deep queue is neither parsed in one step of the event
+    loop nor held twice in memory."""
+    after: tuple[datetime, str] | None = None
+    while page := await queued_page(uow, after, _QUEUE_PAGE):
+        yield page
+        after = (page[-1].submitted_at, page[-1].job_id)
 
 
 async def change_mark(uow: UnitOfWork) -> int:
@@ -540,27 +685,41 @@ async def change_mark(uow: UnitOfWork) -> int:
     return int(result.scalar_one())
 
 
-async def queued_now(uow: UnitOfWork) -> list[JobRecord]:
-    """Every queued job (the in-memory queue's first load)."""
+async def queued_page(
+    uow: UnitOfWork, after: tuple[datetime, str] | None, limit: int
+) -> list[JobRecord]:
+    """Up to ``limit`` queued jobs in submission order, from just after ``after``
+    (submission time, job id; None: from the first): the in-memory queue's first load,
+    page by page."""
     rows = await uow.execute(
-        f"SELECT * FROM {_t(uow, 'jobs')} WHERE state = :queued", {"queued": JobState.QUEUED}
+        f"SELECT {_JOB_COLUMNS} FROM {_t(uow, 'jobs')} WHERE state = :queued "
+        + ("" if after is None else "AND (submitted_at, job_id) > (:at, :id) ")
+        + "ORDER BY submitted_at, job_id LIMIT :limit",
+        {"queued": JobState.QUEUED, "limit": limit}
+        | ({} if after is None else {"at": after[0], "id": after[1]}),
     )
     return [_job(row) for row in rows]
 
 
-async def jobs_changed_since(uow: UnitOfWork, mark: int) -> tuple[list[JobRecord], set[str]]:
+async def jobs_changed_since(
+    uow: UnitOfWork, mark: int, held: Callable[[str], JobRecord | None]
+) -> tuple[list[JobRecord], set[str]]:
     """The jobs changed by transactions from ``mark`` (a ``change_mark``) on: those queued
-    now, parsed, and the ids of the others (they left the queue, or never were in it)."""
+    now, parsed, and the ids of the others (they left the queue, or never were in it).
+    ``held``: the record already held of a job, if any (see ``_job``)."""
     rows = await uow.execute(
-        f"SELECT * FROM {_t(uow, 'jobs')} WHERE changed_xid >= :mark", {"mark": mark}
+        f"SELECT {_JOB_COLUMNS} FROM {_t(uow, 'jobs')} WHERE changed_xid >= :mark",
+        {"mark": mark},
     )
     queued: list[JobRecord] = []
     others: set[str] = set()
-    for row in rows:
+    for number, row in enumerate(rows, 1):
         if row.state == JobState.QUEUED:
-            queued.append(_job(row))
+            queued.append(_job(row, held(row.job_id)))
         else:
             others.add(row.job_id)
+        if number % _YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # many changed rows: let the API in between
     return queued, others
 
 
@@ -686,7 +845,7 @@ async def running_services(uow: UnitOfWork) -> list[JobRecord]:
     # A literal, not a parameter, so the planner matches the partial index
     # jobs_running_services (whose predicate spells the same state).
     rows = await uow.execute(
-        f"SELECT * FROM {_t(uow, 'jobs')} WHERE state = '{JobState.RUNNING}' "
+        f"SELECT {_JOB_COLUMNS} FROM {_t(uow, 'jobs')} WHERE state = '{JobState.RUNNING}' "
         "AND jsonb_typeof(spec->'replicas') = 'object' ORDER BY submitted_at, job_id"
     )
     return [_job(row) for row in rows]

@@ -34,6 +34,7 @@ def allocation_granted(
     host_share: tuple[Decimal, Decimal],
 ) -> m.AllocationGranted:
     cpu_cores, memory_gb = host_share
+    spec = job.spec
     return m.AllocationGranted(
         allocation_id=granted.allocation_id,
         job_id=granted.job_id,
@@ -44,9 +45,9 @@ def allocation_granted(
         gpus=gpus(granted.gpus, ledger),
         granted_at=granted.granted_at,
         attempt=attempt,
-        checkpointable=job.spec.checkpointable,
+        checkpointable=spec.checkpointable,
         resume_from=job.resume_from,
-        workload=job.spec.workload,
+        workload=spec.workload,
         cpu_cores=cpu_cores,
         memory_gb=memory_gb,
         borrowed=granted.borrowed,
