@@ -367,6 +367,8 @@ def _check_subject(subject: str, message_type: str, payload: BaseModel) -> None:
         )
 
 
+# Asked for every message at the edge; a telemetry consumer sees one subject per node.
+@functools.lru_cache(maxsize=65536)
 def stream_max_age(subject: str) -> float | None:
     """The max age of the stream a subject is stored in (None: unknown or unbounded)."""
     prefix = subject.split(".", 1)[0]

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -37,7 +38,7 @@ from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import GpuSample, T
 from gpusched.contracts.subjects import TELEMETRY_PARTITIONS, Subjects, telemetry_partition
 from gpusched.contracts.validation import TypedReader
-from gpusched.infra.bus import SETTLE_TIMEOUT_S, DeadLetters
+from gpusched.infra.bus import SETTLE_TIMEOUT_S, DeadLetters, PullFeed
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
@@ -90,6 +91,7 @@ class TelemetryFold:
 
     def __init__(
         self,
+        nc: NatsClient,
         js: JetStreamContext,
         subjects: Subjects,
         settings: IngestSettings,
@@ -103,6 +105,7 @@ class TelemetryFold:
     ) -> None:
         """`on_lag`: called with each folded sample's lag in seconds (the benchmark's
         exact percentiles; the histogram metric has buckets)."""
+        self._nc = nc
         self._js = js
         self._subjects = subjects
         self._settings = settings
@@ -258,7 +261,7 @@ class TelemetryFold:
         if not await self._load_membership(stop):
             return
         outage = Outage(log, self._service, "telemetry fold")
-        subscribed: JetStreamContext.PullSubscription | None = None
+        subscribed: PullFeed | None = None
         idle_since = self._monotonic()
         try:
             while not stop.is_set():
@@ -266,7 +269,7 @@ class TelemetryFold:
                     if subscribed is None:
                         subscribed = await self._subscribe()
                         idle_since = self._monotonic()
-                    msgs = await subscribed.fetch(self._settings.fetch_batch, timeout=1.0)
+                    msgs = await subscribed.next_batch(1.0)
                 except (NatsTimeout, TimeoutError):
                     if self._monotonic() - idle_since > IDLE_CHECK_S:
                         idle_since = self._monotonic()
@@ -339,7 +342,7 @@ class TelemetryFold:
                 await waiting.backoff(stop)
         return False
 
-    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+    async def _subscribe(self) -> PullFeed:
         """A consumer of this replica's partitions from the window's start (or from the
         last message folded, after a lost consumer), under a fresh name."""
         await self._delete_consumer()
@@ -357,14 +360,13 @@ class TelemetryFold:
             mem_storage=True,
         )
         await self._js.add_consumer(self._stream, config)
-        return await self._js.pull_subscribe_bind(
-            self._consumer, stream=self._stream, pending_msgs_limit=4 * self._settings.fetch_batch
-        )
+        feed = PullFeed(self._nc, self._stream, self._consumer, batch=self._settings.fetch_batch)
+        await feed.start()
+        return feed
 
-    async def _unsubscribe(self, sub: JetStreamContext.PullSubscription | None) -> None:
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sub.unsubscribe(), SETTLE_TIMEOUT_S)
+    async def _unsubscribe(self, feed: PullFeed | None) -> None:
+        if feed is not None:
+            await feed.close()
 
     async def _consumer_exists(self) -> bool:
         try:
