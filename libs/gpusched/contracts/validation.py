@@ -75,6 +75,7 @@ __all__ = [
     "Temperature",
     "Text",
     "Uri",
+    "check_subject",
     "check_text",
     "parse_request",
     "printable",
@@ -339,12 +340,12 @@ def read_message(
         raise MalformedMessage(
             f"{envelope.type} v{envelope.version}: invalid payload: {where}: {message}"
         ) from exc
-    _check_subject(subject, envelope.type, payload)
+    check_subject(subject, envelope.type, payload)
     envelope.keep_payload(payload)
     return envelope
 
 
-def _check_subject(subject: str, message_type: str, payload: BaseModel) -> None:
+def check_subject(subject: str, message_type: str, payload: object) -> None:
     """The node, service or job a subject names is the one its payload is about."""
     tokens = subject.split(".")
     expected: tuple[str, str] | None = None
@@ -449,7 +450,7 @@ class TypedReader(Generic[M]):
             if typed.type == self._type and typed.version <= SUPPORTED_VERSIONS.get(self._type, 1):
                 clock.check(typed.time)
                 payload: M = typed.data
-                _check_subject(subject, self._type, payload)
+                check_subject(subject, self._type, payload)
                 return payload
         except (ValidationError, ValueError, MalformedMessage):
             pass

@@ -35,16 +35,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.errors import MalformedMessage
-from gpusched.contracts.messages import GpuSample, T
+from gpusched.contracts.messages import GpuSample
 from gpusched.contracts.subjects import TELEMETRY_PARTITIONS, Subjects, telemetry_partition
-from gpusched.contracts.validation import TypedReader
 from gpusched.infra.bus import SETTLE_TIMEOUT_S, DeadLetters, PullFeed
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
 from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import store
-from gpusched.ingest.handlers import UnknownNode, check_sample
+from gpusched.ingest.handlers import UnknownNode, check_indexes
+from gpusched.ingest.reader import SampleReader, SampleView
 from gpusched.ingest.window import Membership, TelemetryWindow
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,10 @@ class TelemetryFold:
         self.window = TelemetryWindow(settings.window_s)
         self.partitions = owned_partitions(settings.replicas, settings.replica)
         self.membership: Membership | None = None
-        self._reader = TypedReader(T.GPU_SAMPLE, GpuSample)
+        self._reader = SampleReader()
         self._unknown_since: dict[str, float] = {}
         # Samples of nodes unknown for less than the grace, folded if the node arrives.
-        self._held: dict[str, list[tuple[int, GpuSample]]] = {}
+        self._held: dict[str, list[tuple[int, SampleView]]] = {}
         self._reported: dict[tuple[str, str], float] = {}
         self._counted = {
             (source, outcome): SAMPLES.labels(source, outcome)
@@ -153,7 +153,7 @@ class TelemetryFold:
             self._counted["bus", "ignored"].inc()  # a valid message of another type
             return None
         partition = int(subject.split(".")[3])
-        refused = self.fold(sample, partition, now, "bus")
+        refused = self._fold(sample, partition, now, "bus")
         if refused is None:
             return None
         reason = refused[0]
@@ -173,12 +173,17 @@ class TelemetryFold:
         self, sample: GpuSample, partition: int, now: datetime, source: str
     ) -> tuple[str, str] | None:
         """Fold one valid sample in; (reason, error) if the inventory refuses it."""
+        return self._fold(SampleView.of(sample), partition, now, source)
+
+    def _fold(
+        self, sample: SampleView, partition: int, now: datetime, source: str
+    ) -> tuple[str, str] | None:
         if self.membership is None:
             raise RuntimeError("the pool membership is not loaded yet")
         try:
             gpus = self.membership.nodes.get(sample.node)
             try:
-                check_sample(sample, gpus)
+                check_indexes(sample.node, [index for index, _ in sample.readings], gpus)
             except UnknownNode as exc:
                 return UNKNOWN_NODE, str(exc)  # counted by the caller, which may hold it
             except Rejected as exc:
@@ -188,9 +193,7 @@ class TelemetryFold:
             self._unknown_since.pop(sample.node, None)
             at = sample.time.timestamp()
             ts = now.timestamp()
-            outcome = self.window.add(
-                sample.node, partition, gpus, at, [(g.index, g.util) for g in sample.gpus], ts
-            )
+            outcome = self.window.add(sample.node, partition, gpus, at, sample.readings, ts)
         except Exception as exc:  # a bug must cost one sample, not the replica
             self._counted[source, FAILING].inc()
             log.exception("could not fold a sample of %r", sample.node)
@@ -253,7 +256,7 @@ class TelemetryFold:
         now = utcnow()
         for node in known:
             for partition, sample in self._held.pop(node):
-                self.fold(sample, partition, now, "bus")
+                self._fold(sample, partition, now, "bus")
 
     # --- the stream -------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
