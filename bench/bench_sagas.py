@@ -19,6 +19,13 @@ servers' figures only when this run started them).
 
 Baseline: the raw NATS request/reply round trip (a responder in this process), 1,000
 requests one after the other, in the same run. Goal: p99 < 50 ms for both figures.
+
+The CPU per saga has a baseline of its own, the transport floor: what this process
+spends, with the same client libraries and nothing else, on the messages and round
+trips one saga needs at least: 3 messages fetched (in batches of 16) and acked, 9
+published to JetStream with their acks awaited (pipelined), and 6 PostgreSQL round
+trips (`FLOOR_ROUND_TRIPS`: the service's statements per saga, its transactions'
+BEGIN and COMMIT shared by a batch included). No parsing, validation or logic.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -62,6 +70,10 @@ UNLOADED = 200
 RATE = float(os.environ.get("BENCH_SAGAS_RATE", "40"))
 PACED = int(os.environ.get("BENCH_SAGAS_PACED", "400"))
 P99_GOAL_MS = 50.0
+# What a saga costs the service at least: messages in, events and audit records out,
+# and its PostgreSQL round trips (see the module's docstring).
+FLOOR_IN, FLOOR_OUT, FLOOR_ROUND_TRIPS = 3, 9, 6
+FLOOR_SAGAS = 1000
 
 
 class Sim:
@@ -242,6 +254,8 @@ async def run(ctx: Context) -> list[Figure]:
 
         ctx.progress(f"{NAME}: {ROUND_TRIPS} raw NATS request/reply round trips")
         rtt = await round_trips(nc, ROUND_TRIPS)
+        ctx.progress(f"{NAME}: the transport floor of {FLOOR_SAGAS} sagas")
+        floor_ms = await transport_floor(nc, s, str(settings.database_url), FLOOR_SAGAS)
     finally:
         await nc.close()
         await asyncio.to_thread(stack.stop)
@@ -251,7 +265,13 @@ async def run(ctx: Context) -> list[Figure]:
     paced_evict, paced_complete = overheads(sim, paced)
     rtt_p50, rtt_p99 = percentile(rtt, 50), percentile(rtt, 99)
     cpu = [
-        Figure(NAME, f"cpu_per_saga.{role}", seconds / SAGAS * 1000, "ms")
+        Figure(
+            NAME,
+            f"cpu_per_saga.{role}",
+            seconds / SAGAS * 1000,
+            "ms",
+            floor_ms if role == "checkpoint_service" else None,
+        )
         for role, seconds in sorted(ProcessCpu.spent(cpu_before, cpu_after).items())
     ]
     return [
@@ -274,11 +294,46 @@ async def run(ctx: Context) -> list[Figure]:
         ),
         Figure(NAME, "sagas_per_s", len(to_evict) / elapsed, "sagas/s"),
         *cpu,
+        Figure(NAME, "transport_floor_per_saga", floor_ms, "ms"),
         Figure(NAME, "request_to_evict_p50", percentile(to_evict, 50), "ms", baseline=rtt_p50),
         Figure(NAME, "request_to_evict_p99", percentile(to_evict, 99), "ms", baseline=rtt_p99),
         Figure(NAME, "stopped_to_completed_p50", percentile(to_complete, 50), "ms", rtt_p50),
         Figure(NAME, "stopped_to_completed_p99", percentile(to_complete, 99), "ms", rtt_p99),
     ]
+
+
+async def transport_floor(nc: NatsClient, s: Subjects, database_url: str, sagas: int) -> float:
+    """CPU ms of this process per saga for the floor (module docstring): the same
+    clients as the service, the same batching, no work between the calls."""
+    js = nc.jetstream()
+    subject = s.command("floor", uuid.uuid4().hex[:8])
+    body = b"x" * 600  # about an incoming envelope
+    for i in range(0, FLOOR_IN * sagas, 500):
+        await asyncio.gather(
+            *[js.publish(subject, body) for _ in range(min(500, FLOOR_IN * sagas - i))]
+        )
+    sub = await js.pull_subscribe(subject, durable=None, stream=s.stream("COMMANDS"))
+    conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        cpu = time.process_time()
+        taken = 0
+        while taken < FLOOR_IN * sagas:
+            for msg in await sub.fetch(16, timeout=5):
+                await msg.ack()
+                taken += 1
+        for i in range(0, FLOOR_OUT * sagas, 200):
+            futures = [
+                await js.publish_async(subject, body, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+                for _ in range(min(200, FLOOR_OUT * sagas - i))
+            ]
+            await asyncio.gather(*futures)
+        for i in range(FLOOR_ROUND_TRIPS * sagas):
+            await conn.fetchrow("SELECT $1::int AS n", i)
+        spent = time.process_time() - cpu
+    finally:
+        await conn.close()
+        await sub.unsubscribe()
+    return spent / sagas * 1000
 
 
 def overheads(sim: Sim, request_ids: set[str]) -> tuple[list[float], list[float]]:

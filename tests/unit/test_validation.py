@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpusched.contracts import validation
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import (
@@ -26,6 +27,7 @@ from gpusched.contracts.messages import (
 from gpusched.contracts.validation import (
     ARGV_MAX_BYTES,
     Invalid,
+    check_document,
     check_text,
     parse_request,
     printable,
@@ -141,6 +143,84 @@ def test_text_is_accepted_exactly_when_it_has_no_control_or_bidi_character(text:
     except ValueError:
         accepted = False
     assert accepted is not bad
+
+
+def _check_text_char_by_char(text: str, multiline: bool) -> str | None:
+    """The rule as the spec states it, one character at a time: the error, or None."""
+    for c in text:
+        if 0x202A <= ord(c) <= 0x202E or 0x2066 <= ord(c) <= 0x2069:
+            return f"bidi control character U+{ord(c):04X} is not allowed"
+        if (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) and not (multiline and c in "\t\n\r"):
+            return f"control character U+{ord(c):04X} is not allowed"
+    return None
+
+
+_HOSTILE_TEXT = st.text(
+    alphabet=st.one_of(
+        st.characters(),
+        st.sampled_from("\x00\t\n\r\x1b\x7f\x85\x9f\xa0\u202a\u202e\u2066\u2069\u2070é"),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, derandomize=True)
+@given(_HOSTILE_TEXT, st.booleans())
+def test_text_is_refused_for_its_first_bad_character_as_a_character_by_character_check_would(
+    text: str, multiline: bool
+) -> None:
+    try:
+        check_text(text, max_length=100, multiline=multiline)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    assert error == _check_text_char_by_char(text, multiline)
+
+
+def _deep(levels: int) -> Any:
+    doc: Any = 1
+    for _ in range(levels):
+        doc = {"x": doc}
+    return doc
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),  # NaN and the infinities included
+    _HOSTILE_TEXT,
+    st.sampled_from(["x" * (64 * 1024 + 1), "y" * (64 * 1024)]),
+)
+_DOCUMENTS = st.recursive(
+    _SCALARS,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(
+            st.one_of(_HOSTILE_TEXT, st.integers(), st.just("k" * 201)), children, max_size=4
+        ),
+        st.sampled_from(
+            [_deep(15), _deep(16), _deep(17), [0] * 10_001, dict.fromkeys(range(10_001), 0)]
+        ),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(_DOCUMENTS)
+def test_a_document_gets_the_verdict_and_the_error_of_the_walk_that_checks_every_value(
+    document: Any,
+) -> None:
+    def verdict(check: Any) -> str | None:
+        try:
+            check(document)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    assert verdict(check_document) == verdict(validation._check_document)
 
 
 # --- stream messages --------------------------------------------------------------------

@@ -151,6 +151,108 @@ async def ensure_streams(
                 await js.add_stream(config)
 
 
+class PullFeed:
+    """An ack-free pull consumer read as a stream of batches (the telemetry fold).
+
+    nats-py's `fetch` waits for each message of a batch with a task and a timer of its
+    own: more than an ingest replica spends folding the message. Here the pull requests
+    are plain publishes whose replies land in one subscription callback that only
+    appends; `next_batch` hands over whatever arrived. Up to two requests of `batch`
+    are outstanding, so the server always has one to fill while a batch is folded;
+    without acks nothing is redelivered, so the only bound needed is on what waits
+    here (at most two batches, as nats-py's own client-side limits would be).
+
+    A request ends when the server delivered its `batch`, answered with a status
+    (expired, no messages, consumer deleted: the status says why), or, lost with a
+    dropped connection, `expires_s` plus a second after it was sent.
+    """
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        stream: str,
+        consumer: str,
+        *,
+        batch: int,
+        expires_s: float = 5.0,
+    ) -> None:
+        self._nc = nc
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._batch = batch
+        self._expires_s = expires_s
+        self._request = json.dumps({"batch": batch, "expires": int(expires_s * 1e9)}).encode()
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._arrived: list[Msg] = []
+        self._wake = asyncio.Event()
+        # Outstanding requests, oldest first (the server fills them in that order):
+        # [messages still due, when it is surely over].
+        self._open: deque[list[float]] = deque()
+        self.problem: str | None = None  # a status that says the consumer is gone
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._on_message)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._sub.unsubscribe(), SETTLE_TIMEOUT_S)
+            self._sub = None
+
+    async def _on_message(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self._arrived.append(msg)
+            if self._open:
+                head = self._open[0]
+                head[0] -= 1
+                if head[0] <= 0:
+                    self._open.popleft()
+        elif status != "100":  # not a heartbeat: the oldest request is over
+            if self._open:
+                self._open.popleft()
+            if status not in ("404", "408"):
+                description = msg.headers.get("Description", "") if msg.headers else ""
+                self.problem = f"{status} {description}".strip()
+        self._wake.set()
+
+    async def _ask(self) -> None:
+        now = time.monotonic()
+        while self._open and self._open[0][1] < now:
+            self._open.popleft()  # lost (a dropped connection): it will never answer
+        # Two requests in flight at most, and never more than two batches waiting here.
+        while len(self._open) < 2 and (
+            len(self._arrived) + sum(due for due, _ in self._open) + self._batch <= 2 * self._batch
+        ):
+            self._open.append([self._batch, now + self._expires_s + 1.0])
+            await self._nc.publish(self._next_subject, self._request, reply=self._inbox)
+
+    async def next_batch(self, wait_s: float) -> list[Msg]:
+        """What arrived since the last call, waiting up to `wait_s` for something.
+        Raises TimeoutError if nothing came, ConsumerGone if the server says the
+        consumer is no more."""
+        deadline = time.monotonic() + wait_s
+        while not self._arrived:
+            if self.problem is not None:
+                raise ConsumerGone(self.problem)
+            await self._ask()
+            self._wake.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no message")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), remaining)
+        batch, self._arrived = self._arrived, []
+        await self._ask()
+        return batch
+
+
+class ConsumerGone(Exception):
+    """The server answered a pull request with a status that is not about timing (the
+    consumer was deleted, or the request broke one of its limits)."""
+
+
 def by_correlation(envelope: Envelope) -> str | None:
     """A partition key for consumers whose unit of order is the saga or job that the
     envelope's correlation id names."""
@@ -455,6 +557,10 @@ class ConsumerRunner:
         consumer = self._c.durable
         outcomes: list[str] = []
         async with self._uow() as uow:
+            # One inbox statement for the whole batch (a round trip per message before).
+            unclaimed = await uow.claim_many(
+                [envelope.id for _, envelope in items if envelope is not None], consumer
+            )
             for msg, envelope in items:
                 assert envelope is not None
                 with tracing.continued(
@@ -465,7 +571,8 @@ class ConsumerRunner:
                         "gpusched.correlation": str(envelope.correlation_id),
                     },
                 ):
-                    if await uow.claim(envelope.id, consumer):
+                    if envelope.id in unclaimed:
+                        unclaimed.discard(envelope.id)  # a second copy in the batch: a duplicate
                         await self._c.handlers[envelope.type](envelope, uow)
                         outcomes.append("applied")
                     else:

@@ -12,7 +12,7 @@ import functools
 import json
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -130,6 +130,7 @@ class UnitOfWork:
         # NOTIFY: a round trip per transaction instead of one per event (plus one).
         self._outbox: list[dict[str, Any]] = []
         self._committed = False
+        self._before_commit: list[Callable[[], Awaitable[None]]] = []
 
     async def __aenter__(self) -> Self:
         self._conn = await self._engine.connect()
@@ -208,7 +209,14 @@ class UnitOfWork:
             with contextlib.suppress(Exception):
                 await self._conn.invalidate(exc)
 
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run `write` at commit, before the outbox rows are written: for a store that
+        keeps writes of a batch together (one statement for many rows)."""
+        self._before_commit.append(write)
+
     async def commit(self) -> None:
+        for write in self._before_commit:
+            await write()
         if self._outbox:
             await self._write_outbox()
         await self.conn.commit()
@@ -254,6 +262,18 @@ class UnitOfWork:
             consumer,
         )
         return row is not None
+
+    async def claim_many(self, message_ids: Sequence[str], consumer: str) -> set[str]:
+        """`claim` for several messages in one statement: the ids this consumer had not
+        applied yet (an id given twice is claimed once)."""
+        rows = await self.fetch(
+            f"INSERT INTO {self.schema}.inbox (message_id, consumer) "
+            "SELECT DISTINCT m, $2 FROM unnest($1::text[]) AS m "
+            "ON CONFLICT DO NOTHING RETURNING message_id",
+            list(message_ids),
+            consumer,
+        )
+        return {row["message_id"] for row in rows}
 
     # --- outbox ---------------------------------------------------------------------------
     async def emit(

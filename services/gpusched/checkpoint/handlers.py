@@ -140,16 +140,12 @@ class SagaHandlers:
         request = envelope.payload(wire.EvictionRequested)
         _require_token(request.job_id, "job id")
         now = self._now()
-        known = await store.lock_by_request(uow, request.request_id)
+        known, latest = await store.lock_request_and_latest(uow, request.request_id, request.job_id)
         if known is not None:
             why = "the request has a saga already"
             await _ignored(uow, known, "EvictionRequested", why, envelope.id)
             return
-        await store.remember_class(
-            uow, request.job_id, request.priority_class.value, now, request.team
-        )
         policy = self._policies.for_class(request.priority_class.value)
-        latest = await store.latest_checkpoint(uow, request.job_id)
         try:
             saga, effects = begin(
                 Begin(
@@ -174,7 +170,9 @@ class SagaHandlers:
             )
         except ValueError as exc:  # e.g. a started_at without a time zone
             raise MalformedMessage(f"{envelope.type}: {exc}") from exc
-        if not await store.insert_saga(uow, saga):
+        # The job's class is remembered with the insert (one round trip), saga or not.
+        job_class = (request.priority_class.value, now, request.team)
+        if not await store.insert_saga(uow, saga, job_class):
             # The partial unique index said no: the allocation has a live saga (or a
             # replica applying another copy of this request inserted it first).
             live = await store.find_live_by_allocation(uow, request.allocation_id)

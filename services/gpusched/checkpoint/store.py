@@ -7,11 +7,18 @@ replicas and this service's own consumers apply inputs to one saga one at a time
 
 Each message applies several of these statements, so they go straight to the driver
 (`UnitOfWork.fetch`: asyncpg rows, `$1` parameters) rather than through SQLAlchemy.
+
+Round trips are what a saga step costs, so a saved saga is written at commit, with
+every other saga the unit of work saved, in one statement (a batch of messages shares
+one unit of work). Until then the unit of work holds the newest version; any read that
+could return that saga (by its id, request, job or allocation, which never change)
+writes the pending ones first, so no statement ever sees a stale saga.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -57,12 +64,50 @@ def _sagas(uow: UnitOfWork, rows: Any) -> list[Saga]:
     return [_saga(uow, row) for row in rows]
 
 
-async def insert_saga(uow: UnitOfWork, saga: Saga) -> bool:
-    """False if the request is known already or the allocation has a live saga."""
+# Sagas saved in a unit of work and not yet written, by id (the newest version of each).
+_PENDING: WeakKeyDictionary[UnitOfWork, dict[str, Saga]] = WeakKeyDictionary()
+
+
+async def _write_pending(uow: UnitOfWork, touches: Callable[[Saga], bool] | None = None) -> None:
+    """Write the pending sagas if any of them is one `touches` (None: any) may read."""
+    pending = _PENDING.get(uow)
+    if not pending or (touches is not None and not any(map(touches, pending.values()))):
+        return
+    sagas = list(pending.values())
+    pending.clear()
+    # Every row was locked by this transaction when it was read: no new lock, no order.
+    await uow.fetch(
+        f"UPDATE {uow.schema}.sagas AS s SET state = u.state, deadline = u.deadline, "
+        "data = u.data::jsonb, updated_at = u.updated_at FROM unnest($1::text[], $2::text[], "
+        "$3::timestamptz[], $4::text[], $5::timestamptz[]) "
+        "AS u(saga_id, state, deadline, data, updated_at) WHERE s.saga_id = u.saga_id",
+        [saga.saga_id for saga in sagas],
+        [saga.state.value for saga in sagas],
+        [saga.deadline for saga in sagas],
+        [json.dumps(saga.to_dict()) for saga in sagas],
+        [saga.updated_at for saga in sagas],
+    )
+
+
+async def insert_saga(
+    uow: UnitOfWork, saga: Saga, job_class: tuple[str, datetime, str | None] | None = None
+) -> bool:
+    """False if the request is known already or the allocation has a live saga.
+    `job_class`: the job's priority class, when it was seen and its team, remembered as
+    `remember_class` does, in the same statement, whether or not the saga goes in."""
+    await _write_pending(
+        uow, lambda s: s.request_id == saga.request_id or s.allocation_id == saga.allocation_id
+    )
     trace = tracing.inject()
+    remember = ""
+    args: list[Any] = []
+    if job_class is not None:
+        # A data-modifying WITH runs whether or not the INSERT below inserts.
+        remember = f"WITH remembered AS ({_remember_class_sql(uow.schema, 4, 11, 12, 13)}) "
+        args = list(job_class)
     row = await uow.fetchrow(
-        f"INSERT INTO {uow.schema}.sagas (saga_id, request_id, allocation_id, job_id, state, "
-        "deadline, data, created_at, updated_at, trace) VALUES ($1, $2, $3, $4, $5, $6, "
+        f"{remember}INSERT INTO {uow.schema}.sagas (saga_id, request_id, allocation_id, job_id, "
+        "state, deadline, data, created_at, updated_at, trace) VALUES ($1, $2, $3, $4, $5, $6, "
         "$7::jsonb, $8, $9, $10::jsonb) ON CONFLICT DO NOTHING RETURNING saga_id",
         saga.saga_id,
         saga.request_id,
@@ -74,6 +119,7 @@ async def insert_saga(uow: UnitOfWork, saga: Saga) -> bool:
         saga.created_at,
         saga.updated_at,
         json.dumps(trace),
+        *args,
     )
     if row is None:
         return False
@@ -93,42 +139,73 @@ async def saga_trace(uow: UnitOfWork, saga_id: str) -> dict[str, str] | None:
 
 
 async def save_saga(uow: UnitOfWork, saga: Saga) -> None:
-    await uow.fetch(
-        f"UPDATE {uow.schema}.sagas SET state = $2, deadline = $3, data = $4::jsonb, "
-        "updated_at = $5 WHERE saga_id = $1",
-        saga.saga_id,
-        saga.state.value,
-        saga.deadline,
-        json.dumps(saga.to_dict()),
-        saga.updated_at,
-    )
+    """Store the saga's new version (locked by this unit of work): written at commit, or
+    before a read that could return it."""
+    pending = _PENDING.get(uow)
+    if pending is None:
+        pending = _PENDING[uow] = {}
+        uow.before_commit(lambda: _write_pending(uow))
+    pending[saga.saga_id] = saga
 
 
 _SELECT = "SELECT data::text AS data, trace::text AS trace FROM {schema}.sagas "
 
 
-async def _one(uow: UnitOfWork, where: str, *args: Any) -> Saga | None:
+async def _one(
+    uow: UnitOfWork, touches: Callable[[Saga], bool] | None, where: str, *args: Any
+) -> Saga | None:
+    await _write_pending(uow, touches)
     row = await uow.fetchrow(_SELECT.format(schema=uow.schema) + where, *args)
     return None if row is None else _saga(uow, row)
 
 
 async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
-    return await _one(uow, "WHERE saga_id = $1 FOR UPDATE", saga_id)
+    return await _one(uow, lambda s: s.saga_id == saga_id, "WHERE saga_id = $1 FOR UPDATE", saga_id)
 
 
 async def lock_by_request(uow: UnitOfWork, request_id: str) -> Saga | None:
-    return await _one(uow, "WHERE request_id = $1 FOR UPDATE", request_id)
+    return await _one(
+        uow, lambda s: s.request_id == request_id, "WHERE request_id = $1 FOR UPDATE", request_id
+    )
+
+
+async def lock_request_and_latest(
+    uow: UnitOfWork, request_id: str, job_id: str
+) -> tuple[Saga | None, CatalogueEntry | None]:
+    """`lock_by_request` and `latest_checkpoint` of the job, in one round trip."""
+    await _write_pending(uow, lambda s: s.request_id == request_id)
+    row = await uow.fetchrow(
+        f"WITH saga AS ({_SELECT.format(schema=uow.schema)} WHERE request_id = $1 FOR UPDATE), "
+        f"latest AS ({_latest_sql(uow.schema, 2)}) "
+        "SELECT saga.data, saga.trace, latest.* FROM (SELECT 1) AS one "
+        "LEFT JOIN saga ON true LEFT JOIN latest ON true",
+        request_id,
+        job_id,
+        _stages_from(Stage.SNAPSHOTTED),
+        Stage.PERSISTED.value,
+    )
+    assert row is not None
+    saga = None if row["data"] is None else _saga(uow, row)
+    return saga, _entry(row)
 
 
 async def find_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
     return await _one(
-        uow, "WHERE allocation_id = $1 AND state <> ALL($2)", allocation_id, _TERMINAL
+        uow,
+        lambda s: s.allocation_id == allocation_id,
+        "WHERE allocation_id = $1 AND state <> ALL($2)",
+        allocation_id,
+        _TERMINAL,
     )
 
 
 async def lock_live_by_allocation(uow: UnitOfWork, allocation_id: str) -> Saga | None:
     return await _one(
-        uow, "WHERE allocation_id = $1 AND state <> ALL($2) FOR UPDATE", allocation_id, _TERMINAL
+        uow,
+        lambda s: s.allocation_id == allocation_id,
+        "WHERE allocation_id = $1 AND state <> ALL($2) FOR UPDATE",
+        allocation_id,
+        _TERMINAL,
     )
 
 
@@ -138,6 +215,7 @@ async def lock_live_by_job(
     """The job's live sagas, and the (maybe ended) saga of `request_id` if it is the
     job's: an answer to a request that arrives after its saga ended is still worth
     an audit record."""
+    await _write_pending(uow, lambda s: s.job_id == job_id)
     # Ordered by id so that two transactions locking the same sagas cannot deadlock.
     rows = await uow.fetch(
         _SELECT.format(schema=uow.schema)
@@ -153,6 +231,7 @@ async def lock_live_by_job(
 async def lock_due(uow: UnitOfWork, now: datetime, limit: int) -> list[Saga]:
     """Sagas waiting for a checkpoint past their deadline, skipping those another
     transaction (a replica's sweeper, or a handler applying a confirmation) holds."""
+    await _write_pending(uow)
     rows = await uow.fetch(
         _SELECT.format(schema=uow.schema)
         + "WHERE state = $1 AND deadline <= $2 ORDER BY deadline LIMIT $3 FOR UPDATE SKIP LOCKED",
@@ -164,13 +243,14 @@ async def lock_due(uow: UnitOfWork, now: datetime, limit: int) -> list[Saga]:
 
 
 async def get_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
-    return await _one(uow, "WHERE saga_id = $1", saga_id)
+    return await _one(uow, lambda s: s.saga_id == saga_id, "WHERE saga_id = $1", saga_id)
 
 
 async def current_saga_of_job(uow: UnitOfWork, job_id: str) -> Saga | None:
     """The job's live saga if it has one, else its most recent."""
     return await _one(
         uow,
+        lambda s: s.job_id == job_id,
         "WHERE job_id = $1 ORDER BY (state <> ALL($2)) DESC, created_at DESC LIMIT 1",
         job_id,
         _TERMINAL,
@@ -178,6 +258,7 @@ async def current_saga_of_job(uow: UnitOfWork, job_id: str) -> Saga | None:
 
 
 async def count_sagas(uow: UnitOfWork) -> int:
+    await _write_pending(uow)
     row = await uow.fetchrow(f"SELECT count(*) AS n FROM {uow.schema}.sagas")
     assert row is not None
     return int(row["n"])
@@ -217,21 +298,36 @@ async def record_checkpoint(
     return None if row is None else int(row["catalogued"])
 
 
+def _latest_sql(schema: str, n: int) -> str:
+    """The job's latest checkpoint; parameters $n (the job), $n+1 (the stages it may
+    be at), $n+2 (the most durable stage)."""
+    return (
+        "SELECT checkpoint_id, step, uri, bytes, sha256, stage, confirmed_at "
+        f"FROM {schema}.checkpoints WHERE job_id = ${n} AND stage = ANY(${n + 1}) "
+        f"ORDER BY step DESC, (stage = ${n + 2}) DESC, confirmed_at DESC LIMIT 1"
+    )
+
+
+def _stages_from(min_stage: Stage) -> list[str]:
+    return [stage.value for stage in Stage if stage.satisfies(min_stage)]
+
+
 async def latest_checkpoint(
     uow: UnitOfWork, job_id: str, min_stage: Stage = Stage.SNAPSHOTTED
 ) -> CatalogueEntry | None:
     """The highest step of the job; at the same step the most durable stage first."""
-    stages = [stage.value for stage in Stage if stage.satisfies(min_stage)]
     row = await uow.fetchrow(
-        "SELECT checkpoint_id, step, uri, bytes, sha256, stage, confirmed_at "
-        f"FROM {uow.schema}.checkpoints WHERE job_id = $1 AND stage = ANY($2) "
-        "ORDER BY step DESC, (stage = $3) DESC, confirmed_at DESC LIMIT 1",
+        _latest_sql(uow.schema, 1),
         job_id,
-        stages,
+        _stages_from(min_stage),
         Stage.PERSISTED.value,
     )
-    if row is None:
-        return None
+    return None if row is None else _entry(row)
+
+
+def _entry(row: Any) -> CatalogueEntry | None:
+    if row["checkpoint_id"] is None:
+        return None  # the LEFT JOIN of `lock_request_and_latest` found none
     ref = CheckpointRef(
         checkpoint_id=row["checkpoint_id"],
         step=row["step"],
@@ -247,6 +343,7 @@ async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[di
     """Drop the job's catalogue entries beyond the newest `keep` checkpoints, except any
     that a saga of the job references (the checkpoint an eviction waited for is what
     admission resumes the job from). Returns what was dropped."""
+    await _write_pending(uow, lambda s: s.job_id == job_id)
     rows = await uow.fetch(
         f"""
         WITH newest AS (
@@ -282,19 +379,21 @@ async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[di
 # --- the jobs' priority classes ----------------------------------------------------------
 
 
+def _remember_class_sql(schema: str, job: int, priority_class: int, at: int, team: int) -> str:
+    """The upsert of a job's class and team, with the numbers of its four parameters; a
+    null team keeps the one known."""
+    return (
+        f"INSERT INTO {schema}.job_classes (job_id, priority_class, updated_at, team) "
+        f"VALUES (${job}, ${priority_class}, ${at}, ${team}) ON CONFLICT (job_id) DO UPDATE "
+        "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at, "
+        f"team = COALESCE(EXCLUDED.team, {schema}.job_classes.team)"
+    )
+
+
 async def remember_class(
     uow: UnitOfWork, job_id: str, priority_class: str, at: datetime, team: str | None = None
 ) -> None:
-    await uow.fetch(
-        f"INSERT INTO {uow.schema}.job_classes (job_id, priority_class, updated_at, team) "
-        "VALUES ($1, $2, $3, $4) ON CONFLICT (job_id) DO UPDATE "
-        "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at, "
-        f"team = COALESCE(EXCLUDED.team, {uow.schema}.job_classes.team)",
-        job_id,
-        priority_class,
-        at,
-        team,
-    )
+    await uow.fetch(_remember_class_sql(uow.schema, 1, 2, 3, 4), job_id, priority_class, at, team)
 
 
 async def class_of(uow: UnitOfWork, job_id: str) -> str | None:

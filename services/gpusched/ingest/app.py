@@ -24,6 +24,7 @@ async def build(rt: ServiceRuntime) -> TelemetryFold:
     settings = rt.settings.ingest
     # GPU telemetry: this replica's partitions, folded in memory (docs/ingest.md).
     fold = TelemetryFold(
+        rt.nc,
         rt.js,
         s,
         settings,

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -34,16 +35,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.errors import MalformedMessage
-from gpusched.contracts.messages import GpuSample, T
+from gpusched.contracts.messages import GpuSample
 from gpusched.contracts.subjects import TELEMETRY_PARTITIONS, Subjects, telemetry_partition
-from gpusched.contracts.validation import TypedReader
-from gpusched.infra.bus import SETTLE_TIMEOUT_S, DeadLetters
+from gpusched.infra.bus import SETTLE_TIMEOUT_S, DeadLetters, PullFeed
 from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
 from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import store
-from gpusched.ingest.handlers import UnknownNode, check_sample
+from gpusched.ingest.handlers import UnknownNode, check_indexes
+from gpusched.ingest.reader import SampleReader, SampleView
 from gpusched.ingest.window import Membership, TelemetryWindow
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class TelemetryFold:
 
     def __init__(
         self,
+        nc: NatsClient,
         js: JetStreamContext,
         subjects: Subjects,
         settings: IngestSettings,
@@ -103,6 +105,7 @@ class TelemetryFold:
     ) -> None:
         """`on_lag`: called with each folded sample's lag in seconds (the benchmark's
         exact percentiles; the histogram metric has buckets)."""
+        self._nc = nc
         self._js = js
         self._subjects = subjects
         self._settings = settings
@@ -115,10 +118,10 @@ class TelemetryFold:
         self.window = TelemetryWindow(settings.window_s)
         self.partitions = owned_partitions(settings.replicas, settings.replica)
         self.membership: Membership | None = None
-        self._reader = TypedReader(T.GPU_SAMPLE, GpuSample)
+        self._reader = SampleReader()
         self._unknown_since: dict[str, float] = {}
         # Samples of nodes unknown for less than the grace, folded if the node arrives.
-        self._held: dict[str, list[tuple[int, GpuSample]]] = {}
+        self._held: dict[str, list[tuple[int, SampleView]]] = {}
         self._reported: dict[tuple[str, str], float] = {}
         self._counted = {
             (source, outcome): SAMPLES.labels(source, outcome)
@@ -150,7 +153,7 @@ class TelemetryFold:
             self._counted["bus", "ignored"].inc()  # a valid message of another type
             return None
         partition = int(subject.split(".")[3])
-        refused = self.fold(sample, partition, now, "bus")
+        refused = self._fold(sample, partition, now, "bus")
         if refused is None:
             return None
         reason = refused[0]
@@ -170,12 +173,17 @@ class TelemetryFold:
         self, sample: GpuSample, partition: int, now: datetime, source: str
     ) -> tuple[str, str] | None:
         """Fold one valid sample in; (reason, error) if the inventory refuses it."""
+        return self._fold(SampleView.of(sample), partition, now, source)
+
+    def _fold(
+        self, sample: SampleView, partition: int, now: datetime, source: str
+    ) -> tuple[str, str] | None:
         if self.membership is None:
             raise RuntimeError("the pool membership is not loaded yet")
         try:
             gpus = self.membership.nodes.get(sample.node)
             try:
-                check_sample(sample, gpus)
+                check_indexes(sample.node, [index for index, _ in sample.readings], gpus)
             except UnknownNode as exc:
                 return UNKNOWN_NODE, str(exc)  # counted by the caller, which may hold it
             except Rejected as exc:
@@ -185,9 +193,7 @@ class TelemetryFold:
             self._unknown_since.pop(sample.node, None)
             at = sample.time.timestamp()
             ts = now.timestamp()
-            outcome = self.window.add(
-                sample.node, partition, gpus, at, [(g.index, g.util) for g in sample.gpus], ts
-            )
+            outcome = self.window.add(sample.node, partition, gpus, at, sample.readings, ts)
         except Exception as exc:  # a bug must cost one sample, not the replica
             self._counted[source, FAILING].inc()
             log.exception("could not fold a sample of %r", sample.node)
@@ -250,7 +256,7 @@ class TelemetryFold:
         now = utcnow()
         for node in known:
             for partition, sample in self._held.pop(node):
-                self.fold(sample, partition, now, "bus")
+                self._fold(sample, partition, now, "bus")
 
     # --- the stream -------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -258,7 +264,7 @@ class TelemetryFold:
         if not await self._load_membership(stop):
             return
         outage = Outage(log, self._service, "telemetry fold")
-        subscribed: JetStreamContext.PullSubscription | None = None
+        subscribed: PullFeed | None = None
         idle_since = self._monotonic()
         try:
             while not stop.is_set():
@@ -266,7 +272,7 @@ class TelemetryFold:
                     if subscribed is None:
                         subscribed = await self._subscribe()
                         idle_since = self._monotonic()
-                    msgs = await subscribed.fetch(self._settings.fetch_batch, timeout=1.0)
+                    msgs = await subscribed.next_batch(1.0)
                 except (NatsTimeout, TimeoutError):
                     if self._monotonic() - idle_since > IDLE_CHECK_S:
                         idle_since = self._monotonic()
@@ -339,7 +345,7 @@ class TelemetryFold:
                 await waiting.backoff(stop)
         return False
 
-    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+    async def _subscribe(self) -> PullFeed:
         """A consumer of this replica's partitions from the window's start (or from the
         last message folded, after a lost consumer), under a fresh name."""
         await self._delete_consumer()
@@ -357,14 +363,13 @@ class TelemetryFold:
             mem_storage=True,
         )
         await self._js.add_consumer(self._stream, config)
-        return await self._js.pull_subscribe_bind(
-            self._consumer, stream=self._stream, pending_msgs_limit=4 * self._settings.fetch_batch
-        )
+        feed = PullFeed(self._nc, self._stream, self._consumer, batch=self._settings.fetch_batch)
+        await feed.start()
+        return feed
 
-    async def _unsubscribe(self, sub: JetStreamContext.PullSubscription | None) -> None:
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sub.unsubscribe(), SETTLE_TIMEOUT_S)
+    async def _unsubscribe(self, feed: PullFeed | None) -> None:
+        if feed is not None:
+            await feed.close()
 
     async def _consumer_exists(self) -> bool:
         try:

@@ -7,6 +7,7 @@ the database from it is each replica's share of every pool, which the snapshot s
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from prometheus_client import Counter
@@ -58,13 +59,16 @@ class UnknownNode(Exception):
 def check_sample(sample: GpuSample, gpus: int | None) -> None:
     """The inventory's rule for one node's sample (`gpus`: the node's GPU count, None
     if the inventory does not hold it), whichever source it came from."""
+    check_indexes(sample.node, [g.index for g in sample.gpus], gpus)
+
+
+def check_indexes(node: str, indexes: Iterable[int], gpus: int | None) -> None:
+    """`check_sample` for a sample given by its node and GPU indexes."""
     if gpus is None:
-        raise UnknownNode(f"node {sample.node!r} is not in the inventory")
-    beyond = sorted(g.index for g in sample.gpus if g.index >= gpus)
+        raise UnknownNode(f"node {node!r} is not in the inventory")
+    beyond = sorted(index for index in indexes if index >= gpus)
     if beyond:
-        raise Rejected(
-            f"node {sample.node!r} has {gpus} GPUs: no GPU index {', '.join(map(str, beyond))}"
-        )
+        raise Rejected(f"node {node!r} has {gpus} GPUs: no GPU index {', '.join(map(str, beyond))}")
 
 
 async def on_inference_stats(envelope: Envelope, uow: UnitOfWork) -> None:

@@ -1,0 +1,131 @@
+"""The checkpoint store's batched writes on the real PostgreSQL: a saga saved in a unit
+of work is written at commit, yet every read of the same unit of work that could
+return it sees the new version, and a rolled-back unit of work writes nothing. Also a
+batch's inbox claim (`UnitOfWork.claim_many`), on the service's own inbox."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gpusched.checkpoint import app, store
+from gpusched.domain.saga import Begin, DeadlinePolicy, Saga, SagaState, Stage, begin
+from gpusched.infra.migrations import migrations_dir
+from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.settings import Settings
+
+NOW = datetime.now(UTC)
+
+
+@pytest.fixture
+async def rt(settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
+    await runtime.start()
+    yield runtime
+    await runtime.close()
+
+
+def opened(n: int) -> Saga:
+    saga, _ = begin(
+        Begin(
+            saga_id=f"saga-{n}",
+            request_id=f"req-{n}",
+            allocation_id=f"alloc-{n}",
+            job_id=f"job-{n}",
+            gpus=8,
+            started_at=NOW - timedelta(hours=1),
+            grace_s=300.0,
+            policy=DeadlinePolicy.ABORT,
+            stage_required=Stage.PERSISTED,
+            reason="test",
+        ),
+        NOW,
+    )
+    return saga
+
+
+async def stored(rt: ServiceRuntime, *sagas: Saga) -> None:
+    async with rt.uow() as uow:
+        for saga in sagas:
+            assert await store.insert_saga(uow, saga, ("p1-normal", NOW, "vision"))
+        await uow.commit()
+
+
+def moved(saga: Saga) -> Saga:
+    """The saga one step on (what a handler would save): confirmed."""
+    return dataclasses.replace(saga, state=SagaState.CONFIRMED, updated_at=NOW + timedelta(1))
+
+
+async def test_a_saved_saga_is_read_back_new_in_its_unit_of_work_and_written_at_commit(
+    rt: ServiceRuntime,
+) -> None:
+    await stored(rt, opened(1), opened(2))
+
+    async with rt.uow() as uow:
+        one = await store.lock_saga(uow, "saga-1")
+        two = await store.lock_by_request(uow, "req-2")
+        assert one is not None and two is not None
+        await store.save_saga(uow, moved(one))
+        await store.save_saga(uow, moved(two))
+        # Each read that could return a pending saga sees its saved version.
+        assert (await store.lock_saga(uow, "saga-1")) == moved(one)
+        assert [s.state for s in await store.lock_live_by_job(uow, "job-2")] == [
+            SagaState.CONFIRMED
+        ]
+        again, latest = await store.lock_request_and_latest(uow, "req-1", "job-1")
+        assert again == moved(one) and latest is None
+        await store.save_saga(uow, moved(one))
+        await uow.commit()
+
+    async with rt.uow() as uow:
+        assert (await store.get_saga(uow, "saga-1")) == moved(one)
+        assert (await store.get_saga(uow, "saga-2")) == moved(two)
+        assert await store.count_sagas(uow) == 2
+
+
+async def test_a_saga_saved_in_a_unit_of_work_that_rolls_back_is_not_written(
+    rt: ServiceRuntime,
+) -> None:
+    await stored(rt, opened(3))
+    async with rt.uow() as uow:
+        saga = await store.lock_saga(uow, "saga-3")
+        assert saga is not None
+        await store.save_saga(uow, moved(saga))
+        # No commit: rolled back.
+    async with rt.uow() as uow:
+        kept = await store.get_saga(uow, "saga-3")
+        assert kept is not None and kept.state is SagaState.CHECKPOINTING
+
+
+async def test_a_new_saga_for_an_allocation_whose_pending_saga_ended_goes_in(
+    rt: ServiceRuntime,
+) -> None:
+    """The one-live-saga-per-allocation index must see the pending end of the old one."""
+    await stored(rt, opened(4))
+    async with rt.uow() as uow:
+        old = await store.lock_saga(uow, "saga-4")
+        assert old is not None
+        ended = dataclasses.replace(old, state=SagaState.CANCELLED, updated_at=NOW)
+        await store.save_saga(uow, ended)
+        successor = dataclasses.replace(opened(5), allocation_id="alloc-4")
+        assert await store.insert_saga(uow, successor)
+        await uow.commit()
+    async with rt.uow() as uow:
+        assert await store.lock_live_by_allocation(uow, "alloc-4") == successor
+
+
+async def test_a_batch_claims_each_new_message_once_and_none_already_applied(
+    rt: ServiceRuntime,
+) -> None:
+    async with rt.uow() as uow:
+        assert await uow.claim("m-1", "c")
+        await uow.commit()
+    async with rt.uow() as uow:
+        assert await uow.claim_many(["m-1", "m-2", "m-3", "m-2"], "c") == {"m-2", "m-3"}
+        assert await uow.claim_many(["m-1"], "another consumer") == {"m-1"}
+        await uow.commit()
+    async with rt.uow() as uow:
+        assert await uow.claim_many(["m-2", "m-3", "m-4"], "c") == {"m-4"}
