@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -236,8 +237,13 @@ def _up(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
         resolved = stack.start()
+        started = time.monotonic()
+
+        def progress(line: str) -> None:
+            print(f"  [{time.monotonic() - started:5.1f}s] {line}", flush=True)
+
         try:
-            asyncio.run(stack.wait_until_ready(args.ready_timeout))
+            asyncio.run(stack.wait_until_ready(args.ready_timeout, progress))
         except StackNotReady as exc:
             print(f"gpusched: {exc}", file=sys.stderr)
             return 1

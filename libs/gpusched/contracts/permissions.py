@@ -86,6 +86,7 @@ def grants() -> dict[str, ServiceGrant]:
             consumers=(
                 c("COMMANDS", "checkpoint-commands"),
                 c("JOBS", "checkpoint-job-events"),
+                c("EVENTS", "checkpoint-admission-events"),
                 c("EVENTS", "checkpoint-agent-events"),
             ),
             serves=("api.checkpoints.>", "api.sagas.>"),
