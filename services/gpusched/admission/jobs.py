@@ -43,6 +43,7 @@ from .catalog import Catalog, ErrorCode, refuse, submission_warnings
 from .explain import fair_order, find
 from .intake import Intake, Submission
 from .keeper import LedgerKeeper
+from .metrics import SUBMITS
 from .nodes import newest_checkpoint
 from .queue import Clock, JobState
 
@@ -64,6 +65,12 @@ class JobsApi:
         self._intake = Intake(uow, kick)
 
     async def submit(self, raw: bytes) -> SubmitReply:
+        reply = await self._submit(raw)
+        outcome = "accepted" if reply.ok else "refused"
+        SUBMITS.labels(outcome if reply.error is None else str(reply.error.code)).inc()
+        return reply
+
+    async def _submit(self, raw: bytes) -> SubmitReply:
         job = parse_request(SubmitJob, raw)
         if isinstance(job, Invalid):
             return SubmitReply(ok=False, error=job.error())
