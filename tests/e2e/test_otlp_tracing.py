@@ -5,7 +5,6 @@ statements are client spans inside them."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from gpusched.contracts.messages import GpuRequest, PriorityClassName, SubmitJob
 from gpusched.infra.settings import Settings
 from tests.e2e.test_main_flow import FAST
 from tests.support.otlp import OtlpReceiver, ReceivedSpan
+from tests.support.stacks import ready
 from tests.support.waiting import eventually
 
 
@@ -42,12 +42,8 @@ async def stack(settings: Settings, tmp_path: Path, receiver: OtlpReceiver) -> A
         log_dir=tmp_path / "logs",
     )
     # Started off the loop: the receiver answers the exporters meanwhile.
-    await asyncio.to_thread(running.start)
-    try:
-        await running.wait_until_ready()
+    async with ready(running):
         yield running
-    finally:
-        await asyncio.to_thread(running.stop)
 
 
 async def test_spans_reach_an_otlp_receiver_with_messaging_conventions_and_one_trace(

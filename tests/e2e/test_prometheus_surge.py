@@ -23,10 +23,11 @@ import pytest
 import yaml
 
 from gpusched.cli.stack import SERVICES, Stack
-from gpusched.contracts.messages import GpuRequest, PriorityClassName, SubmitJob, WorkloadSpec
+from gpusched.contracts.messages import PriorityClassName
 from gpusched.infra.settings import Settings
 from tests.e2e.test_main_flow import FAST, Cluster, cluster_on
 from tests.support.dcgm import PROMETHEUS, Prometheus, prometheus_server
+from tests.support.stacks import ready
 from tests.support.waiting import eventually
 
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
@@ -125,12 +126,8 @@ async def stack(settings: Settings, tmp_path: Path) -> AsyncIterator[Stack]:
         },
         log_dir=tmp_path / "logs",
     )
-    await asyncio.to_thread(running.start)
-    try:
-        await running.wait_until_ready()
+    async with ready(running):
         yield running
-    finally:
-        await asyncio.to_thread(running.stop)
 
 
 async def query(session: aiohttp.ClientSession, url: str, expr: str) -> list[dict[str, Any]]:
@@ -144,20 +141,6 @@ async def query(session: aiohttp.ClientSession, url: str, expr: str) -> list[dic
 async def value_of(session: aiohttp.ClientSession, url: str, expr: str) -> float | None:
     result = await query(session, url, expr)
     return float(result[0]["value"][1]) if result else None
-
-
-async def submit(cluster: Cluster, name: str, gpus: int, priority: PriorityClassName) -> str:
-    reply = await cluster.api.submit(
-        SubmitJob(
-            name=name,
-            team="e2e",
-            priority_class=priority,
-            gpus=GpuRequest(count=gpus),
-            workload=WorkloadSpec(kind="sim", steps=1_000_000, step_seconds=0.05),
-        )
-    )
-    assert reply.ok and reply.job_id, reply
-    return reply.job_id
 
 
 @pytest.mark.timeout(420)
@@ -213,12 +196,12 @@ async def test_a_real_prometheus_fires_the_surge_alerts_and_keeps_the_others_qui
 async def run_scenario(
     cluster: Cluster, session: aiohttp.ClientSession, url: str, log: AlertLog
 ) -> None:
-    offline = await submit(cluster, "offline", 8, PriorityClassName.P2_OFFLINE)
-    normal = await submit(cluster, "normal", 16, PriorityClassName.P1_NORMAL)
+    offline = await cluster.submit("offline", PriorityClassName.P2_OFFLINE, 8)
+    normal = await cluster.submit("normal", PriorityClassName.P1_NORMAL, 16)
     for job in (offline, normal):
         await eventually(lambda job=job: _is_running(cluster, job), within=60)
     # 16 of the 40 shared GPUs are left: a 32-GPU job waits.
-    await submit(cluster, "too-large", 32, PriorityClassName.P1_NORMAL)
+    await cluster.submit("too-large", PriorityClassName.P1_NORMAL, 32)
 
     async def waiting() -> float | None:
         return await value_of(session, url, 'gpusched_queue_jobs{team="e2e",class="p1-normal"}')
