@@ -20,7 +20,7 @@ from tests.support.waiting import eventually
 
 from gpusched.billing import app
 from gpusched.contracts.envelope import Envelope, make_envelope
-from gpusched.infra import bus, runtime
+from gpusched.infra import bus, probe, runtime
 from gpusched.infra.db import UnitOfWork
 from gpusched.infra.embedded import free_port
 from gpusched.infra.runtime import ServiceRuntime
@@ -94,6 +94,27 @@ async def test_a_service_is_alive_while_it_builds_and_ready_only_once_it_runs(
     finally:
         started.request_stop()
         await asyncio.wait_for(task, 15)
+
+
+async def test_the_container_probe_says_ready_or_what_the_service_waits_for(
+    started: ServiceRuntime,
+) -> None:
+    env = {"GPUSCHED_METRICS_PORT": str(started.settings.metrics_port)}
+    assert await asyncio.to_thread(probe.probe, "livez", env) == (True, "livez: ok")
+    assert await asyncio.to_thread(probe.probe, "readyz", env) == (
+        False,
+        "readyz: billing is building",
+    )
+    await app.build(started)
+    task = asyncio.create_task(started.run())
+    try:
+        await eventually(lambda: _ready(started), within=15)
+        assert await asyncio.to_thread(probe.probe, "readyz", env) == (True, "readyz: ok")
+    finally:
+        started.request_stop()
+        await asyncio.wait_for(task, 15)
+    ok, line = await asyncio.to_thread(probe.probe, "readyz", env)
+    assert not ok and line.startswith("readyz: no answer from http://127.0.0.1:")
 
 
 async def test_a_consumer_stuck_on_a_message_makes_the_service_not_ready(

@@ -385,6 +385,8 @@ NATS_POD_ENV = {"POD_NAME": "nats-0", "CLUSTER_ADVERTISE": "nats-0.nats-headless
 # --- every file parses ------------------------------------------------------------------
 def test_every_yaml_and_json_deploy_file_parses() -> None:
     yaml_files = [ROOT / "docker-compose.yml", *DEPLOY.rglob("*.yml"), *DEPLOY.rglob("*.yaml")]
+    # Helm templates are YAML only once rendered (tests/unit/test_helm_chart.py).
+    yaml_files = [p for p in yaml_files if "templates" not in p.parts[len(DEPLOY.parts) :]]
     for path in yaml_files:
         docs = list(yaml.safe_load_all(path.read_text()))
         assert docs and all(d is not None for d in docs), f"{path} is empty"
@@ -492,6 +494,18 @@ def test_compose_services_start_after_migrate_which_waits_for_healthy_servers() 
     for server in ("nats", "postgres"):
         assert services[server]["healthcheck"]["test"]
         assert services[server]["volumes"]
+
+
+def test_compose_every_long_running_container_has_a_healthcheck() -> None:
+    services = compose()["services"]
+    for name, service in services.items():
+        if name != "migrate":  # one-shot: compose waits for it to exit 0 instead
+            assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    for name in SERVICES:
+        # The service's own /readyz, asked from inside its container.
+        probe = ["CMD", "python", "-m", "gpusched.infra.probe", "readyz"]
+        assert services[name]["healthcheck"]["test"] == probe
+    assert services["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
 
 
 def test_compose_prometheus_and_grafana_load_the_deploy_configuration() -> None:
@@ -781,6 +795,22 @@ def test_k8s_pods_meet_the_restricted_pod_security_standard() -> None:
             assert own["readOnlyRootFilesystem"] is True, name
             assert own["capabilities"] == {"drop": ["ALL"]}, name
             assert not own.get("privileged"), name
+
+
+def test_k8s_pods_probe_liveness_and_readiness_on_the_health_endpoint() -> None:
+    for name, pod in gpusched_pods().items():
+        if name == "migrate":
+            continue
+        [container] = pod["containers"]
+        probes = {
+            kind: (container[kind]["httpGet"]["path"], container[kind]["httpGet"]["port"])
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        }
+        assert probes == {
+            "startupProbe": ("/livez", "metrics"),
+            "readinessProbe": ("/readyz", "metrics"),
+            "livenessProbe": ("/livez", "metrics"),
+        }, name
 
 
 def test_k8s_metrics_listen_on_the_pod_ip_only() -> None:
