@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from tests.unit.test_admission_planning import job
@@ -20,12 +21,19 @@ from gpusched.admission.metrics import (
     queue_families,
 )
 from gpusched.admission.queue import QueueIndex
-from gpusched.contracts.messages import PoolSnapshot, PoolState, ServiceState
+from gpusched.contracts.messages import (
+    GpuReading,
+    GpuSample,
+    PoolSnapshot,
+    PoolState,
+    ServiceState,
+)
 from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.domain.ledger import JobKind, NodeCondition, PlacementRequest, PriorityClass
 from gpusched.infra import metrics
 from gpusched.ingest.metrics import SCRAPED_FAMILIES as INGEST_FAMILIES
-from gpusched.ingest.metrics import snapshot_families
+from gpusched.ingest.metrics import GpuReadings, gpu_families, snapshot_families
+from gpusched.ingest.window import TelemetryWindow
 
 T0 = datetime(2025, 3, 1, 9, 0, tzinfo=UTC)
 
@@ -137,17 +145,56 @@ def test_a_failing_scrape_source_costs_its_own_metrics_not_the_scrape() -> None:
     sources = metrics._ScrapeSources()
     registry.register(sources)
 
-    def broken() -> list[Metric]:
+    def broken_copy() -> metrics.Build:
         raise RuntimeError("a bug in one service's gauges")
 
-    def fine() -> list[Metric]:
+    def broken_build() -> metrics.Build:
+        def build() -> list[Metric]:
+            raise RuntimeError("a bug in building them")
+
+        return build
+
+    def fine() -> metrics.Build:
         family = metrics.gauge_family("gpusched_test_gauge", "a gauge", "pool")
         family.add_metric(["shared"], 3)
-        return [family]
+        return lambda: [family]
 
-    sources.sources["broken"] = broken
-    sources.sources["fine"] = fine
+    sources.sources.update(copy=broken_copy, build=broken_build, fine=fine)
+    sources.prepare()
 
     text = generate_latest(registry).decode()
 
     assert 'gpusched_test_gauge{pool="shared"} 3.0' in text
+
+
+def test_the_gpu_gauges_read_the_window_means_and_the_newest_memory_of_nodes_in_it() -> None:
+    window = TelemetryWindow(30.0)
+    now = T0.timestamp()
+    window.add("shared-0", 0, 2, now - 2, [(0, 0.2), (1, 0.9)], now)
+    window.add("shared-0", 0, 2, now - 1, [(0, 0.4), (1, 0.7)], now)
+    readings = GpuReadings(
+        means=list(window.gpu_means()),
+        serving={"shared-0": ("shared", None)},
+        newest=[
+            GpuSample(
+                node="shared-0",
+                time=T0,
+                gpus=[
+                    GpuReading(
+                        index=0,
+                        util=0.4,
+                        mem_used_mib=72_000,
+                        mem_total_mib=80_000,
+                        temp_c=50.0,
+                        power_w=200.0,
+                    ),
+                ],
+            )
+        ],
+    )
+
+    got = samples(gpu_families(readings))
+
+    assert got[("gpusched_gpu_utilization", ("shared-0", "0", "shared"))] == pytest.approx(0.3)
+    assert got[("gpusched_gpu_utilization", ("shared-0", "1", "none"))] == pytest.approx(0.8)
+    assert got[("gpusched_gpu_memory_used_ratio", ("shared-0", "0"))] == 0.9

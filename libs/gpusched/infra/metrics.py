@@ -7,6 +7,7 @@ answering all three, so a wedged service fails its liveness probe.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -76,8 +77,12 @@ ACCESS_REFUSED = Counter(
 )
 
 
-# Reads a service's in-memory state into metric families at scrape time.
-ScrapeSource = Callable[[], Iterable[Metric]]
+# A scrape in two steps. The source runs on the event loop, between two awaits of
+# whoever changes the state it reads, and copies what it needs; the builder it returns
+# makes the metric families from that copy in a worker thread, where the (per-sample,
+# slow) building and formatting no longer stalls the loop.
+Build = Callable[[], Iterable[Metric]]
+ScrapeSource = Callable[[], Build]
 
 
 class _ScrapeSources(Collector):
@@ -86,23 +91,36 @@ class _ScrapeSources(Collector):
 
     def __init__(self) -> None:
         self.sources: dict[str, ScrapeSource] = {}
+        self._prepared: dict[str, Build] = {}
         self._failing: set[str] = set()
 
     def describe(self) -> Iterable[Metric]:
         return ()  # the families vary with the state; nothing to check at registration
 
-    def collect(self) -> Iterable[Metric]:
+    def prepare(self) -> None:
+        """Take every source's copy of its state (on the event loop)."""
+        self._prepared = {}
         for name, source in list(self.sources.items()):
             try:
-                families = list(source())
+                self._prepared[name] = source()
             except Exception:
-                # One failing source costs its own metrics, never the scrape.
-                if name not in self._failing:
-                    log.exception("metrics source %s failed; its metrics are left out", name)
-                    self._failing.add(name)
+                self._failed(name)
+
+    def collect(self) -> Iterable[Metric]:
+        for name, build in list(self._prepared.items()):
+            try:
+                families = list(build())
+            except Exception:
+                self._failed(name)
                 continue
             self._failing.discard(name)
             yield from families
+
+    def _failed(self, name: str) -> None:
+        # One failing source costs its own metrics, never the scrape; logged once.
+        if name not in self._failing:
+            log.exception("metrics source %s failed; its metrics are left out", name)
+            self._failing.add(name)
 
 
 _SCRAPED = _ScrapeSources()
@@ -115,10 +133,16 @@ def gauge_family(name: str, documentation: str, *labels: str) -> GaugeMetricFami
 
 
 def on_scrape(name: str, source: ScrapeSource) -> None:
-    """Compute `source`'s metric families at every scrape (on the event loop, see
-    HealthServer). Registering a name again replaces its source: a process that runs a
-    service twice (a test) reports the latest."""
+    """At every scrape, call `source` on the event loop and the builder it returns in a
+    worker thread (see Build). Registering a name again replaces its source: a process
+    that runs a service twice (a test) reports the latest."""
     _SCRAPED.sources[name] = source
+
+
+def exposition() -> bytes:
+    """The text of /metrics, synchronously (tests, benchmarks): both steps in a row."""
+    _SCRAPED.prepare()
+    return generate_latest(REGISTRY)
 
 
 class HealthServer:
@@ -127,6 +151,8 @@ class HealthServer:
     def __init__(self, health: Health) -> None:
         self._health = health
         self._runner: web.AppRunner | None = None
+        # One scrape at a time: the prepared copies belong to the scrape that took them.
+        self._scraping = asyncio.Lock()
 
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port; port 0 means no endpoint at all (the setting's default)."""
@@ -155,9 +181,9 @@ class HealthServer:
             await runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        # Collectors read the services' in-memory state; on the loop, they read it
-        # between two awaits of whoever changes it, never half-changed.
-        body = generate_latest(REGISTRY)
+        async with self._scraping:
+            _SCRAPED.prepare()  # the copies of in-memory state, on the loop
+            body = await asyncio.to_thread(generate_latest, REGISTRY)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _livez(self, request: web.Request) -> web.Response:

@@ -229,7 +229,7 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
     every = min(settings.mig_apply_timeout_s / 4, settings.mig_reconcile_interval_s)
     rt.every("mig-deadlines", every, deadlines.tick, singleton=True)
     # The queue and GPU gauges, counted from the scheduler's memory when scraped.
-    metrics.on_scrape(NAME, scheduler.view.families)
+    metrics.on_scrape(NAME, scheduler.view.scrape)
     scheduler.kick()  # jobs queued before this start are placed at once
     return AdmissionService(jobs, scheduler, keeper, nodes)
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 from prometheus_client.metrics_core import Metric
 
-from gpusched.domain.ledger import GpuSlot, GpuStatus, Ledger
-from gpusched.infra.metrics import gauge_family
+from gpusched.domain.inventory import Pool
+from gpusched.domain.ledger import GpuSlot, GpuStatus, Ledger, PriorityClass
+from gpusched.infra.metrics import Build, gauge_family
 
 from .queue import Clock, QueueIndex
 
@@ -37,6 +38,14 @@ PASS_FAILURES = Counter(
     "it), outage (PostgreSQL or NATS away) or error (retried next tick)",
     ["reason"],
 )
+
+# At 0 from the start, so the first event of a kind shows in increase() and rate().
+for _reason in ("parked", "outage", "error"):
+    PASS_FAILURES.labels(_reason)
+SUBMITS.labels("accepted")
+for _pool in Pool:
+    for _class in PriorityClass:
+        PLACEMENTS.labels(str(_pool), str(_class))
 
 # The families counted at scrape time (not in the registry until scraped).
 SCRAPED_FAMILIES = ("gpusched_queue_jobs", "gpusched_queue_wait_seconds", "gpusched_gpus")
@@ -119,6 +128,12 @@ class SchedulerView:
     # before it are reported meanwhile.
     planning: bool = False
     _counts: dict[tuple[str, str], int] | None = None
+
+    def scrape(self) -> Build:
+        """On the event loop (the queue and ledger change there): the families, whole;
+        they are cheap next to the per-GPU gauges of ingest."""
+        families = list(self.families())
+        return lambda: families
 
     def families(self) -> Iterable[Metric]:
         if self.ticked_at is None or time.monotonic() - self.ticked_at > self.leader_for_s:

@@ -49,6 +49,15 @@ CLAIMS = Counter(
 )
 
 
+# Every series at 0 from the start: a counter's first increase is visible to
+# increase() and rate() only if the series existed before it.
+for _outcome, _end in END_OF.items():
+    EVICTIONS.labels(_end, _outcome.value)
+    SAGA_SECONDS.labels(_end)
+for _check in ClaimCheck:
+    CLAIMS.labels(_check.value)
+
+
 def saga_ended(saga: Saga) -> None:
     """Count a saga that reached its terminal state (call once, after commit)."""
     if saga.outcome is None:

@@ -77,7 +77,7 @@ async def build(rt: ServiceRuntime) -> TelemetryFold:
         settings.gpu_metrics,
         snapshot_fresh_s=max(10.0, 5 * settings.snapshot_interval_s),
     )
-    metrics.on_scrape(NAME, view.families)
+    metrics.on_scrape(NAME, view.scrape)
 
     async def snapshot_tick() -> None:
         async with rt.uow() as uow:

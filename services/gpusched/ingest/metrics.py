@@ -11,13 +11,13 @@ when Prometheus scrapes, never per sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
 
-from gpusched.contracts.messages import PoolSnapshot
-from gpusched.infra.metrics import gauge_family
+from gpusched.contracts.messages import GpuSample, PoolSnapshot
+from gpusched.infra.metrics import Build, gauge_family
 from gpusched.ingest.fold import TelemetryFold
 
 # The families counted at scrape time (not in the registry until scraped).
@@ -50,23 +50,30 @@ class IngestView:
         if snapshot is not None:
             self.snapshot, self.snapshot_at = snapshot, time.monotonic()
 
-    def families(self) -> Iterable[Metric]:
-        families: list[Metric] = []
-        slo = gauge_family(
-            "gpusched_inference_slo_ms",
-            "P99 latency objective of an inference service (configured)",
-            "service",
-        )
-        for service, objective in sorted(self.slo_ms.items()):
-            slo.add_metric([service], objective)
-        families.append(slo)
-        if self.snapshot is not None and time.monotonic() - self.snapshot_at < (
-            self.snapshot_fresh_s
-        ):
-            families.extend(snapshot_families(self.snapshot))
-        if self.gpu_metrics:
-            families.extend(gpu_families(self.fold))
-        return families
+    def scrape(self) -> Build:
+        """On the event loop: what the families are made of (see infra.metrics.Build)."""
+        snapshot = self.snapshot
+        if snapshot is not None and time.monotonic() - self.snapshot_at >= self.snapshot_fresh_s:
+            snapshot = None
+        readings = gpu_readings(self.fold) if self.gpu_metrics else None
+        slo_ms = dict(self.slo_ms)
+
+        def build() -> list[Metric]:
+            slo = gauge_family(
+                "gpusched_inference_slo_ms",
+                "P99 latency objective of an inference service (configured)",
+                "service",
+            )
+            for service, objective in sorted(slo_ms.items()):
+                slo.add_metric([service], objective)
+            families: list[Metric] = [slo]
+            if snapshot is not None:
+                families.extend(snapshot_families(snapshot))
+            if readings is not None:
+                families.extend(gpu_families(readings))
+            return families
+
+        return build
 
 
 def snapshot_families(snapshot: PoolSnapshot) -> list[Metric]:
@@ -97,7 +104,28 @@ def snapshot_families(snapshot: PoolSnapshot) -> list[Metric]:
     return [util, gpus, reporting, p99, queue]
 
 
-def gpu_families(fold: TelemetryFold) -> list[Metric]:
+@dataclass(frozen=True)
+class GpuReadings:
+    """What the GPU gauges are made of, copied from the fold on the event loop: each
+    GPU's window mean, the pools GPUs serve, and each node's newest sample (immutable)."""
+
+    means: list[tuple[str, int, float]]
+    serving: Mapping[str, tuple[str | None, ...]]
+    newest: list[GpuSample]
+
+
+def gpu_readings(fold: TelemetryFold) -> GpuReadings:
+    membership = fold.membership
+    in_window = fold.window.node_names()
+    return GpuReadings(
+        means=list(fold.window.gpu_means()),
+        serving=membership.serving if membership is not None else {},
+        # A node silent for a whole window has no current reading.
+        newest=[sample for node, sample in fold.latest.items() if node in in_window],
+    )
+
+
+def gpu_families(readings: GpuReadings) -> list[Metric]:
     """Each GPU of this replica's partitions with samples in the window: its mean
     utilization (node, gpu, pool: the pool it serves now, "none" outside any) and the
     memory used in its newest sample."""
@@ -114,18 +142,13 @@ def gpu_families(fold: TelemetryFold) -> list[Metric]:
         "node",
         "gpu",
     )
-    membership = fold.membership
-    serving = membership.serving if membership is not None else {}
-    for node, index, mean in fold.window.gpu_means():
-        pools = serving.get(node, ())
+    for node, index, mean in readings.means:
+        pools = readings.serving.get(node, ())
         pool = pools[index] if index < len(pools) else None
         util.add_metric([node, str(index), pool or "none"], mean)
-    in_window = fold.window.node_names()
-    for node, sample in fold.latest.items():
-        if node not in in_window:
-            continue  # silent for a whole window: no reading is current
+    for sample in readings.newest:
         for reading in sample.gpus:
             if reading.mem_total_mib > 0:
                 ratio = reading.mem_used_mib / reading.mem_total_mib
-                memory.add_metric([node, str(reading.index)], ratio)
+                memory.add_metric([sample.node, str(reading.index)], ratio)
     return [util, memory]

@@ -76,6 +76,11 @@ LENDING_GPUS = Counter(
     "Shared GPUs the controller decided to lend to inference (lend) or give back (return)",
     ["action"],
 )
+# At 0 from the start, so the first decision of a kind shows in increase() and rate().
+for _decision in ("hold", "expand", "shrink", "withdraw"):
+    DECISIONS.labels(_decision)
+for _action in ("lend", "return"):
+    LENDING_GPUS.labels(_action)
 # A snapshot dated further ahead of this service's clock would hold every later reading
 # off (readings older than the newest are ignored): it is refused instead.
 FUTURE_SKEW_S = 300.0
