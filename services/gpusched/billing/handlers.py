@@ -74,6 +74,7 @@ class LedgerHandlers:
         )
         if not recorded:
             return  # the same allocation announced again under another envelope
+        uow.on_commit(lambda: metrics.allocation_opened(granted.team, gpu_milli))
         unpriced = sorted(m for m in gpu_milli if not _priced(self._book, m))
         if unpriced:
             # Metered all the same (the usage happened); the statement request will fail

@@ -44,6 +44,16 @@ def _hours_price(book: PriceBook, model: str, gpu_seconds: Decimal) -> float | N
         return None  # metered; priced once the book names the model (billing.unpriced)
 
 
+def allocation_opened(team: str, gpu_milli: dict[str, int]) -> None:
+    """Create the team's series at 0 when billing first meters it, so the first closing
+    and the first credit show in increase() and rate()."""
+    for model in gpu_milli:
+        METERED_GPU_SECONDS.labels(team, model)
+    METERED_AMOUNT.labels(team)
+    CREDITED_GPU_SECONDS.labels(team)
+    CREDITED_AMOUNT.labels(team)
+
+
 def allocation_closed(
     book: PriceBook,
     team: str,
