@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import IO, Any
 
@@ -264,6 +264,10 @@ def processing(
     message_type: str,
 ) -> Iterator[trace.Span]:
     """The CONSUMER span of applying one message, continuing the trace it carries."""
+    if _tracer is None:  # the hot path without a recorder: only the context passes on
+        with continued("", headers) as span:
+            yield span
+        return
     attributes = message_attributes(
         subject, message_id, conversation_id, ("process", "apply"), message_type
     )
@@ -278,6 +282,10 @@ def processing(
 @contextmanager
 def serving(service: str, subject: str, headers: Mapping[str, str] | None) -> Iterator[trace.Span]:
     """The SERVER span of answering one request (request/reply over NATS)."""
+    if _tracer is None:
+        with continued("", headers) as span:
+            yield span
+        return
     message_id = (headers or {}).get("Nats-Msg-Id")
     attributes = message_attributes(subject, message_id, None, ("process", "handle"))
     attributes["gpusched.service"] = service
@@ -322,15 +330,21 @@ def _statement_span(tracer: trace.Tracer, sql: str, common: Mapping[str, Any]) -
     return tracer.start_span(f"{operation} postgresql", kind=SpanKind.CLIENT, attributes=attributes)
 
 
-@contextmanager
-def statement(sql: str) -> Iterator[None]:
+_NO_SPAN = nullcontext()
+
+
+def statement(sql: str) -> AbstractContextManager[None]:
     """A CLIENT span around one statement sent to asyncpg directly (the unit of work's
     hot path bypasses SQLAlchemy, whose hooks `instrument_engine` uses); only inside a
-    traced operation, and nothing at all without `setup`."""
+    traced operation, and nothing at all (one shared no-op) without `setup`."""
     if _tracer is None or not trace.get_current_span().get_span_context().is_valid:
-        yield
-        return
-    span = _statement_span(_tracer, sql, {})
+        return _NO_SPAN
+    return _statement(_tracer, sql)
+
+
+@contextmanager
+def _statement(tracer: trace.Tracer, sql: str) -> Iterator[None]:
+    span = _statement_span(tracer, sql, {})
     try:
         yield
     except Exception as exc:
