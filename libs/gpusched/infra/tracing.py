@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -44,8 +44,10 @@ from opentelemetry.semconv._incubating.attributes import messaging_attributes as
 from opentelemetry.semconv.attributes import db_attributes as db_attrs
 from opentelemetry.semconv.attributes import server_attributes as server_attrs
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from sqlalchemy import event as sa_event
-from sqlalchemy.ext.asyncio import AsyncEngine
+
+if TYPE_CHECKING:
+    # Not at run time: the CLI imports this module and must not pay for SQLAlchemy.
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +367,8 @@ def instrument_engine(engine: AsyncEngine) -> None:
     """
     if _tracer is None:
         return
+    from sqlalchemy import event as sa_event
+
     tracer = _tracer
     url = engine.url
     common: dict[str, Any] = {}
