@@ -233,7 +233,7 @@ async def test_a_surge_evicts_only_after_the_confirmed_checkpoint_and_the_job_re
     assert cluster.settings.trace_file is not None
     p = cluster.subjects.prefix
     journey = [
-        f"admission {p}.api.jobs.submit",
+        f"admission handle {p}.api.jobs.submit",
         "agent apply workload.start",
         "preemption apply allocation.granted",
         "checkpoint apply eviction.requested",
@@ -251,11 +251,19 @@ def _one_trace_has(trace_file: Path, names: list[str]) -> bool:
     if not trace_file.exists():
         return False
     spans = [json.loads(line) for line in trace_file.read_text().splitlines() if line.strip()]
-    evicts = [s["trace_id"] for s in spans if s["name"] == "agent apply workload.evict"]
+    evicts = [s["trace_id"] for s in spans if _label(s) == "agent apply workload.evict"]
     if not evicts:
         return False
-    in_trace = {s["name"] for s in spans if s["trace_id"] == evicts[0]}
+    in_trace = {_label(s) for s in spans if s["trace_id"] == evicts[0]}
     return all(name in in_trace for name in names)
+
+
+def _label(span: dict[str, Any]) -> str:
+    """ "<service> apply <type>" for a message applied, "<service> <span name>" else."""
+    message_type = span["attributes"].get("gpusched.message.type")
+    if span["kind"] == "CONSUMER" and message_type:
+        return f"{span['service']} apply {message_type}"
+    return f"{span['service']} {span['name']}"
 
 
 async def _is(cluster: Cluster, job_id: str, state: str) -> bool:

@@ -127,25 +127,36 @@ class Prometheus:
 def running_prometheus(target: str, scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
     """A real Prometheus (the `prometheus` on PATH) scraping `target` (host:port, path
     /metrics), its data in a temp dir removed at the end."""
+    every = f"{round(scrape_interval_s * 1000)}ms"  # Prometheus takes no "1.0s"
+    with prometheus_server(
+        lambda _: (
+            "global:\n"
+            f"  scrape_interval: {every}\n"
+            f"  scrape_timeout: {every}\n"
+            "scrape_configs:\n"
+            "  - job_name: dcgm\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+    ) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def prometheus_server(config: Callable[[Path], str]) -> Iterator[Prometheus]:
+    """A real Prometheus (the `prometheus` on PATH) with the configuration `config`
+    returns for a scratch dir (where it may write rule files), its data in that dir,
+    removed at the end."""
     assert PROMETHEUS is not None
     scratch = Path(tempfile.mkdtemp(prefix="gpusched-prometheus-"))
-    config = scratch / "prometheus.yml"
-    every = f"{round(scrape_interval_s * 1000)}ms"  # Prometheus takes no "1.0s"
-    config.write_text(
-        "global:\n"
-        f"  scrape_interval: {every}\n"
-        f"  scrape_timeout: {every}\n"
-        "scrape_configs:\n"
-        "  - job_name: dcgm\n"
-        f"    static_configs: [{{targets: ['{target}']}}]\n"
-    )
+    config_path = scratch / "prometheus.yml"
+    config_path.write_text(config(scratch))
     port = free_port()
     log_path = scratch / "prometheus.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
         [
             PROMETHEUS,
-            f"--config.file={config}",
+            f"--config.file={config_path}",
             f"--storage.tsdb.path={scratch / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",

@@ -57,7 +57,8 @@ def test_a_valid_sample_is_read_without_the_general_edge() -> None:
     raw = json.dumps(sample()).encode()
     reader = SampleReader()
     view = reader.read(raw, SUBJECT, NOW)
-    assert view == SampleView("node-1", datetime(2026, 12, 2, 11, 59, 58, tzinfo=UTC), ((0, 0.5),))
+    at = datetime(2026, 12, 2, 11, 59, 58, tzinfo=UTC)
+    assert view == SampleView("node-1", at, ((0, 0.5),), ((0, 100, 81920),))
 
 
 @pytest.mark.parametrize(

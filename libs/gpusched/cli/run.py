@@ -77,8 +77,14 @@ def up(
             return EXIT_USAGE
         print(f"gpusched: starting the stack in {stack.data_dir} ...", flush=True)
         resolved = stack.start()
+        started = time.monotonic()
+
+        def progress(line: str) -> None:
+            # What each service waits for, then that it is ready (stack.wait_until_ready).
+            print(f"  [{time.monotonic() - started:5.1f}s] {line}", flush=True)
+
         try:
-            asyncio.run(stack.wait_until_ready(ready_timeout))
+            asyncio.run(stack.wait_until_ready(ready_timeout, progress))
         except StackNotReady as exc:
             print(f"gpusched: {exc}", file=sys.stderr)
             return 1

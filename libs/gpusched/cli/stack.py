@@ -9,6 +9,11 @@ data (clients keep their URL; services reconnect by themselves). Either is given
 only in a crash loop, loudly, and then everything stops. The ports are chosen once per
 data dir and kept in its stack file (see stackfile), which the CLI reads.
 
+Each service serves /metrics, /livez and /readyz on a port of its own (chosen once per
+data dir, or GPUSCHED_METRICS_PORT and the next ones), listed in the stack file and in
+`<data_dir>/prometheus/targets.json` for a Prometheus `file_sd_configs`; the stack is
+ready when every service's /readyz says so (health.py).
+
 For fault injection: `kill(name)` sends SIGKILL (or any signal) to a service, "nats" or
 "postgres"; `restarts(name)` counts how often each came back.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import os
 import signal
@@ -25,10 +31,12 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+import aiohttp
 
 from gpusched.cli.client import check_postgres, connect_nats
 from gpusched.cli.stackfile import (
@@ -77,6 +85,13 @@ _WATCH_S = 0.2
 
 class StackNotReady(RuntimeError):
     """The stack did not become ready in time; the message says what is missing."""
+
+
+# Told each change in what a service waits for, then "<service> ready", while the stack
+# becomes ready (`gpusched up` prints them).
+Progress = Callable[[str], None]
+# File of the Prometheus targets of the stack's services, under the data dir.
+PROMETHEUS_TARGETS = Path("prometheus") / "targets.json"
 
 
 # How long a service gets to stop by itself before it is killed. Every step of a
@@ -197,6 +212,7 @@ class Stack:
     log_dir: Path | None = None
     output: TextIO | None = None
     policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Each service's /metrics, /livez and /readyz port, chosen by start().
     metrics_ports: dict[str, int] = field(default_factory=dict, init=False)
     supervisor: Supervisor | None = field(default=None, init=False)
     _servers: dict[str, _Watched] = field(default_factory=dict, init=False)
@@ -274,7 +290,9 @@ class Stack:
                     }
                 )
             self.settings = self.settings.model_copy(update=update)
+            self._choose_metrics_ports(previous)
             self._write_stack_file(running=True)
+            self._write_prometheus_targets()
             asyncio.run(
                 prepare(self.settings, self.services, credentials=self._creds(natsauth.ADMIN))
             )
@@ -363,91 +381,107 @@ class Stack:
 
     # -- readiness -----------------------------------------------------------------
 
-    async def wait_until_ready(self, timeout_s: float = 120.0) -> None:
-        """Return once both servers answer and every service is up and serving.
+    async def wait_until_ready(
+        self, timeout_s: float = 120.0, progress: Progress | None = None
+    ) -> None:
+        """Return once every service says it is ready and admission answers a request.
 
-        A service counts as serving once its process runs and one of its durable
-        consumers (named `<service>-...`) has a pull request waiting, i.e. its consume
-        loop runs; admission must also answer a request. StackNotReady says what is
-        missing after `timeout_s`.
+        A service is ready when its /readyz says so: it has connected to NATS and
+        PostgreSQL, migrated, registered its consumers, and each consumer and loop is
+        advancing (health.py). `progress` hears each change in what a service waits for
+        and each service that becomes ready. StackNotReady says what is missing after
+        `timeout_s`.
         """
         assert self.settings.nats_url and self.settings.database_url
         assert self.supervisor is not None, "Stack.wait_until_ready() before start()"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        fetching: set[str] = set()
-        missing: list[str] = []
-        while True:
-            if self.failure is not None:
-                raise StackNotReady(self.failure)
-            missing = await self._not_ready(fetching)
-            if not missing:
-                return
-            if loop.time() > deadline:
-                raise StackNotReady(
-                    f"the stack is not ready after {timeout_s:.0f}s: {'; '.join(missing)}"
-                    + (f" (logs in {self.log_dir})" if self.log_dir is not None else "")
-                )
-            await asyncio.sleep(0.3)
+        told: dict[str, str] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            while True:
+                if self.failure is not None:
+                    raise StackNotReady(self.failure)
+                waiting = await self._services_waiting(http)
+                for service in self.services:
+                    now = waiting.get(service, "ready")
+                    if progress is not None and told.get(service) != now:
+                        progress(f"{service:<11}{now}")
+                    told[service] = now
+                missing = [f"{service} {problem}" for service, problem in waiting.items()]
+                if not missing:
+                    missing = await self._api_missing()
+                    if not missing:
+                        return
+                if loop.time() > deadline:
+                    raise StackNotReady(
+                        f"the stack is not ready after {timeout_s:.0f}s: {'; '.join(missing)}"
+                        + (f" (logs in {self.log_dir})" if self.log_dir is not None else "")
+                    )
+                await asyncio.sleep(0.3)
 
-    async def _not_ready(self, fetching: set[str]) -> list[str]:
-        assert self.settings.nats_url and self.settings.database_url
+    async def readiness(self, service: str, http: aiohttp.ClientSession) -> str | None:
+        """None when `service` says it is ready, else what it waits for, in words that
+        follow its name ("is migrating", "consumer ... is not subscribed yet")."""
         assert self.supervisor is not None
+        try:
+            running = self.supervisor.returncode(service) is None
+        except KeyError:
+            # Given up on (a crash loop) between two checks: the failure says why.
+            running = False
+        if not running:
+            return "is not running"
+        port = self.metrics_ports.get(service)
+        if port is None:
+            return "has no health endpoint"
+        try:
+            async with http.get(f"http://{self._health_host}:{port}/readyz") as response:
+                verdict = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return "is starting"
+        if isinstance(verdict, dict) and verdict.get("ready") is True:
+            return None
+        problems = verdict.get("problems") if isinstance(verdict, dict) else None
+        if isinstance(problems, list) and problems:
+            problem = str(problems[0])
+            return problem.removeprefix(f"{service} ")
+        return "is not ready"
+
+    async def _services_waiting(self, http: aiohttp.ClientSession) -> dict[str, str]:
+        answers = await asyncio.gather(*(self.readiness(s, http) for s in self.services))
+        return {
+            service: answer
+            for service, answer in zip(self.services, answers, strict=True)
+            if answer is not None
+        }
+
+    async def _api_missing(self) -> list[str]:
+        """What a client finds missing: admission must answer a request through the
+        clients' account, as every CLI command will."""
+        assert self.settings.nats_url
+        if "admission" not in self.services:
+            return []
         from gpusched.cli.client import ApiClient, CliError
 
         if self._tls is None:
             self._tls = (nats_context(self.settings), database_context(self.settings))
-        nats_tls, database_tls = self._tls
-        missing: list[str] = []
+        api = ApiClient(
+            self.settings.nats_url,
+            self.settings.subject_prefix,
+            timeout_s=2.0,
+            credentials=self.operator_credentials,
+            tls=self._tls[0],
+        )
         try:
-            await check_postgres(self.settings.database_url, tls=database_tls)
+            async with api:
+                await api.get("job-000000000000")
         except CliError as exc:
-            missing.append(str(exc))
-        for service in self.services:
-            try:
-                running = self.supervisor.returncode(service) is None
-            except KeyError:
-                # Given up on (a crash loop) between two checks: the failure says why.
-                running = False
-            if not running:
-                missing.append(f"{service} is not running")
-        try:
-            nc = await connect_nats(
-                self.settings.nats_url,
-                "gpusched-ready",
-                credentials=self._creds(natsauth.ADMIN),
-                tls=nats_tls,
-            )
-        except CliError as exc:
-            return [*missing, str(exc)]
-        try:
-            js = nc.jetstream()
-            for stream in Subjects(self.settings.subject_prefix).streams():
-                try:
-                    consumers = await js.consumers_info(stream.name)
-                except Exception:
-                    continue
-                for consumer in consumers:
-                    name = consumer.config.durable_name or consumer.name or ""
-                    if (consumer.num_waiting or 0) > 0:
-                        fetching.update(s for s in self.services if name.startswith(f"{s}-"))
-        finally:
-            await nc.close()
-        missing += [f"{s} is not consuming yet" for s in self.services if s not in fetching]
-        if "admission" in self.services and not missing:
-            api = ApiClient(
-                self.settings.nats_url,
-                self.settings.subject_prefix,
-                timeout_s=2.0,
-                credentials=self.operator_credentials,
-                tls=nats_tls,
-            )
-            try:
-                async with api:
-                    await api.get("job-000000000000")
-            except CliError as exc:
-                missing.append(f"admission does not answer yet ({exc})")
-        return missing
+            return [f"admission does not answer requests yet ({exc})"]
+        return []
+
+    @property
+    def _health_host(self) -> str:
+        host = self.settings.metrics_host
+        return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
     # -- internals -----------------------------------------------------------------
 
@@ -470,6 +504,45 @@ class Stack:
         )
         return None
 
+    def _choose_metrics_ports(self, previous: StackFile) -> None:
+        """One port per service: GPUSCHED_METRICS_PORT and the next ones if it is set,
+        else those this data dir used last time, else free ones; a port another process
+        took is replaced, with a warning."""
+        base = self.settings.metrics_port
+        for offset, service in enumerate(self.services):
+            wanted = base + offset if base else previous.metrics_ports.get(service)
+            if wanted is not None and wanted not in self.metrics_ports.values():
+                if _port_free(wanted):
+                    self.metrics_ports[service] = wanted
+                    continue
+                log.warning(
+                    "port %d for the metrics of %s is taken by another process; "
+                    "choosing another one",
+                    wanted,
+                    service,
+                )
+            port = free_port()
+            while port in self.metrics_ports.values():
+                port = free_port()
+            self.metrics_ports[service] = port
+
+    def _write_prometheus_targets(self) -> None:
+        """The services' /metrics as a Prometheus file_sd target list (job `gpusched`
+        in the scrape config that reads it, as the alert rules expect)."""
+        path = self.data_dir / PROMETHEUS_TARGETS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        targets = [
+            {"targets": [f"{self._health_host}:{port}"], "labels": {"component": service}}
+            for service, port in self.metrics_ports.items()
+        ]
+        scratch = path.with_name(f".{path.name}.tmp")
+        scratch.write_text(json.dumps(targets, indent=2) + "\n", encoding="utf-8")
+        scratch.replace(path)
+
+    @property
+    def prometheus_targets(self) -> Path:
+        return self.data_dir / PROMETHEUS_TARGETS
+
     def _write_stack_file(self, *, running: bool) -> None:
         nats = self._servers.get("nats")
         pg = self._servers.get("postgres")
@@ -489,6 +562,7 @@ class Stack:
                 else str(self.settings.security.auth_dir)
             ),
             pids=pids,
+            metrics_ports=dict(self.metrics_ports),
         )
         write_stack_file(self.data_dir, content)
         self._written_pids = pids
@@ -580,6 +654,8 @@ class Stack:
             env["GPUSCHED_SECURITY__AUTH_DIR"] = str(security.auth_dir)
         if service == "admission" and security.job_signing_key is not None:
             env["GPUSCHED_SECURITY__JOB_SIGNING_KEY"] = str(security.job_signing_key)
+        # Its own port: one shared GPUSCHED_METRICS_PORT would clash between services.
+        env["GPUSCHED_METRICS_PORT"] = str(self.metrics_ports[service])
         return ProcessSpec(
             service, [sys.executable, "-m", "gpusched.cli.main", "service", service], env=env
         )
@@ -606,10 +682,6 @@ class Stack:
         if self.settings.trace_file is not None:
             env["GPUSCHED_TRACE_FILE"] = str(self.settings.trace_file.resolve())
         return env
-
-    def metrics_env(self, service: str) -> dict[str, str]:
-        port = self.metrics_ports.setdefault(service, free_port())
-        return {"GPUSCHED_METRICS_PORT": str(port)}
 
     def stop(self) -> None:
         """Services first, then the servers they use; idempotent."""

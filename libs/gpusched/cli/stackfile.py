@@ -60,6 +60,8 @@ class StackFile(BaseModel):
     auth_dir: str | None = None
     # Who runs the stack ("up") and each server and service, while it runs.
     pids: dict[str, int] = {}
+    # Each service's /metrics, /livez and /readyz port (kept for the next start).
+    metrics_ports: dict[str, int] = {}
 
 
 def stack_file_path(data_dir: Path) -> Path:

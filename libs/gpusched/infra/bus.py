@@ -417,10 +417,21 @@ class ConsumerRunner:
         self._max_skew = max_clock_skew_s
         # Types outside the public registry that this consumer handles itself.
         self._own_types = frozenset((*consumer.handlers, *consumer.edge_handlers))
+        # What readiness reads (runtime): subscribed, and when the fetch loop last turned.
+        self.subscribed = False
+        self.last_turn = time.monotonic()
 
     @property
     def concurrency(self) -> int:
         return self._concurrency
+
+    @property
+    def durable(self) -> str:
+        return self._c.durable
+
+    @property
+    def waiting_out_outage(self) -> bool:
+        return self._outage.active
 
     async def run(self) -> None:
         config = ConsumerConfig(
@@ -436,6 +447,7 @@ class ConsumerRunner:
         sub = await self._subscribe_when_reachable(config)
         if sub is None:
             return  # stopped before NATS answered
+        self.subscribed = True
         lanes: _Lanes | _BatchLanes
         if self._batch_max > 1:
             lanes = _BatchLanes(self._apply_batch, self._concurrency, self._batch_max)
@@ -446,6 +458,7 @@ class ConsumerRunner:
         capacity = max(self._batch, self._concurrency)
         try:
             while not self._stopping:
+                self.last_turn = time.monotonic()
                 if self._outage.active:
                     # Messages in hand wait for a server: fetch no more until it is back.
                     await _first_of(self._outage.over(), self._stopped.wait())
@@ -563,13 +576,14 @@ class ConsumerRunner:
             )
             for msg, envelope in items:
                 assert envelope is not None
-                with tracing.continued(
-                    f"{self._service} apply {envelope.type}",
+                with tracing.processing(
+                    self._service,
+                    msg.subject,
                     msg.headers,
-                    {
-                        "messaging.message.id": envelope.id,
-                        "gpusched.correlation": str(envelope.correlation_id),
-                    },
+                    message_id=envelope.id,
+                    conversation_id=envelope.correlation_id,
+                    consumer=consumer,
+                    message_type=envelope.type,
                 ):
                     if envelope.id in unclaimed:
                         unclaimed.discard(envelope.id)  # a second copy in the batch: a duplicate
@@ -661,13 +675,14 @@ class ConsumerRunner:
                 outcome = "ignored"
                 await msg.ack()
                 return True
-            with tracing.continued(
-                f"{self._service} apply {envelope.type}",
+            with tracing.processing(
+                self._service,
+                msg.subject,
                 msg.headers,
-                {
-                    "messaging.message.id": envelope.id,
-                    "gpusched.correlation": str(envelope.correlation_id),
-                },
+                message_id=envelope.id,
+                conversation_id=envelope.correlation_id,
+                consumer=consumer,
+                message_type=envelope.type,
             ):
                 if edge_handler is not None:
                     await edge_handler(envelope)
@@ -927,7 +942,7 @@ async def serve_requests(
         outcome = "ok"
         identity.current_caller.set(identity.caller_from_headers(msg.headers, clients_account))
         try:
-            with tracing.continued(f"{service} {subject}", msg.headers):
+            with tracing.serving(service, subject, msg.headers):
                 try:
                     reply = await handler(msg.data)
                     body = reply.model_dump_json().encode()

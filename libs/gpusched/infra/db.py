@@ -131,6 +131,7 @@ class UnitOfWork:
         self._outbox: list[dict[str, Any]] = []
         self._committed = False
         self._before_commit: list[Callable[[], Awaitable[None]]] = []
+        self._on_commit: list[Callable[[], None]] = []
 
     async def __aenter__(self) -> Self:
         self._conn = await self._engine.connect()
@@ -172,7 +173,8 @@ class UnitOfWork:
         """The rows of `sql` (asyncpg's statement cache prepares it once per connection)."""
         driver = await self._in_transaction()
         try:
-            rows: list[asyncpg.Record] = await driver.fetch(sql, *args)
+            with tracing.statement(sql):
+                rows: list[asyncpg.Record] = await driver.fetch(sql, *args)
         except Exception as exc:
             await self._invalidate_if_gone(exc)
             raise
@@ -182,7 +184,8 @@ class UnitOfWork:
         """The first row of `sql`, or None."""
         driver = await self._in_transaction()
         try:
-            return await driver.fetchrow(sql, *args)
+            with tracing.statement(sql):
+                return await driver.fetchrow(sql, *args)
         except Exception as exc:
             await self._invalidate_if_gone(exc)
             raise
@@ -221,6 +224,14 @@ class UnitOfWork:
             await self._write_outbox()
         await self.conn.commit()
         self._committed = True
+        callbacks, self._on_commit = self._on_commit, []
+        for callback in callbacks:
+            callback()
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once this unit of work has committed (never if it rolls back):
+        e.g. count a metric of what it did, exactly once however often it is retried."""
+        self._on_commit.append(callback)
 
     async def flush(self) -> None:
         """Write the events emitted so far to the outbox now, in this transaction: a long
@@ -313,7 +324,18 @@ class UnitOfWork:
             correlation_id=event.correlation_id,
             causation_id=event.causation_id,
         )
-        headers = current_context() if event.trace_headers is None else dict(event.trace_headers)
+        if tracing.recording():
+            headers = tracing.produced(
+                event.subject,
+                envelope.id,
+                event.correlation_id,
+                event.message_type,
+                event.trace_headers,
+            )
+        elif event.trace_headers is None:
+            headers = current_context()
+        else:
+            headers = dict(event.trace_headers)
         self._outbox.append(
             {
                 "id": envelope.id,

@@ -7,6 +7,7 @@ so several replicas starting at once do not race.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from gpusched.contracts.subjects import check_token
 
 async def migrate(engine: AsyncEngine, schema: str, script_location: Path) -> None:
     check_token(schema, "schema")
+    # Alembic's INFO lines ("Context impl PostgresqlImpl.", "Will assume transactional
+    # DDL.") say nothing an operator needs at every start of every service.
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
     async with engine.begin() as conn:
         await conn.execute(
             text("SELECT pg_advisory_xact_lock(:k)"), {"k": zlib.crc32(schema.encode())}

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,15 +21,17 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import bus, metrics, stalls, tls, tracing
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
 from gpusched.infra.errors import is_outage
+from gpusched.infra.health import Check, Health, Stage, stalled
 from gpusched.infra.leader import LeaderLease
 from gpusched.infra.migrations import migrate
-from gpusched.infra.outages import Outage
+from gpusched.infra.outages import Outage, describe
 from gpusched.infra.outbox import OutboxRelay
 from gpusched.infra.settings import Settings
 
@@ -38,6 +41,15 @@ Tick = Callable[[], Awaitable[None]]
 # A task that runs for the life of the service and returns once the event is set.
 Background = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
+# Readiness: a consumer's fetch loop turns at least every second when idle (its fetch
+# waits 1 s), so one that has not turned for this long is stuck on a message.
+CONSUMER_STALL_S = 60.0
+# A loop may legitimately take long for one tick (admission's first pass over a deep
+# queue): stuck means several times its interval and at least this.
+LOOP_STALL_S = 120.0
+# How long a PostgreSQL answer counts for readiness, so probes do not each cost a query.
+DATABASE_CHECK_TTL_S = 2.0
+
 
 @dataclass
 class _Loop:
@@ -45,6 +57,7 @@ class _Loop:
     interval_s: float
     tick: Tick
     singleton: bool
+    last_turn: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -69,11 +82,23 @@ class ServiceRuntime:
     _relay: OutboxRelay | None = field(default=None, init=False)
     _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _database_tls: ssl.SSLContext | None = field(default=None, init=False)
+    health: Health = field(init=False)
+    _server: metrics.HealthServer = field(init=False)
+    _database_ok_at: float = field(default=-DATABASE_CHECK_TTL_S, init=False)
+
+    def __post_init__(self) -> None:
+        self.health = Health(self.name)
+        self._server = metrics.HealthServer(self.health)
 
     async def start(self) -> None:
-        """Connect, create streams and run migrations. Handlers register after this."""
+        """Connect, create streams and run migrations. Handlers register after this.
+
+        The health endpoint answers from the first moment (liveness while a long
+        migration runs; readiness says which stage the service is in)."""
         nats_url, db_url = self.settings.require_urls()
         self.subjects = Subjects(self.settings.subject_prefix)
+        await self._server.start(self.settings.metrics_host, self.settings.metrics_port)
+        self.health.stage = Stage.CONNECTING
         tracing.setup(self.name, self.settings.trace_file)
         nats_tls = tls.nats_context(self.settings)
         self._database_tls = tls.database_context(self.settings)
@@ -87,7 +112,9 @@ class ServiceRuntime:
         # A keyed consumer holds up to `consumer_concurrency` connections at once.
         pool_size = max(self.settings.db_pool_size, self.settings.bus.consumer_concurrency)
         self.engine = create_engine(db_url, pool_size=pool_size, tls=self._database_tls)
+        tracing.instrument_engine(self.engine)
         if self.migrations is not None:
+            self.health.stage = Stage.MIGRATING
             await migrate(self.engine, self.schema, self.migrations)
             self.uow = UnitOfWorkFactory(self.engine, self.schema, self.name, self.subjects)
         self._dead_letters = bus.DeadLetters(self.js, self.subjects, self.name)
@@ -102,6 +129,56 @@ class ServiceRuntime:
                 nats_connected=lambda: self.nc.is_connected,
                 tls=self._database_tls,
             )
+        self._register_health_checks()
+        self.health.stage = Stage.BUILDING
+
+    def _register_health_checks(self) -> None:
+        async def nats_connected() -> str | None:
+            return None if self.nc.is_connected else "NATS is not connected (reconnecting)"
+
+        async def consumers() -> str | None:
+            now = time.monotonic()
+            for runner in self._consumers:
+                name = f"consumer {runner.durable}"
+                if runner.waiting_out_outage:
+                    return f"{name} waits out an outage of PostgreSQL or NATS"
+                if not runner.subscribed:
+                    return f"{name} is not subscribed yet"
+                problem = stalled(name, runner.last_turn, CONSUMER_STALL_S, now)
+                if problem is not None:
+                    return problem
+            return None
+
+        async def loops() -> str | None:
+            now = time.monotonic()
+            for spec in self._loops:
+                limit = max(LOOP_STALL_S, 4 * spec.interval_s)
+                problem = stalled(f"loop {spec.name}", spec.last_turn, limit, now)
+                if problem is not None:
+                    return problem
+            return None
+
+        self.health.add("nats", nats_connected)
+        if self.migrations is not None:
+            self.health.add("postgres", self._database_answers)
+        self.health.add("consumers", consumers)
+        self.health.add("loops", loops)
+
+    async def _database_answers(self) -> str | None:
+        if time.monotonic() - self._database_ok_at < DATABASE_CHECK_TTL_S:
+            return None
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception as exc:
+            return f"PostgreSQL does not answer: {describe(exc)}"
+        self._database_ok_at = time.monotonic()
+        return None
+
+    def readiness(self, name: str, check: Check) -> None:
+        """Add a check of this service's own to its readiness (health.Check: None when
+        fine, else one line saying what is wrong)."""
+        self.health.add(name, check)
 
     @property
     def credentials(self) -> Path | None:
@@ -175,7 +252,8 @@ class ServiceRuntime:
                 loop.remove_signal_handler(sig)
 
     async def _run_until_stopped(self) -> None:
-        metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        # A runtime started without start() (a test's) still serves, if configured.
+        await self._server.start(self.settings.metrics_host, self.settings.metrics_port)
         metrics.UP.labels(self.name).set(1)
         self._tasks.append(
             asyncio.create_task(stalls.watch_event_loop(self.name, self._stop), name="loop-lag")
@@ -197,6 +275,7 @@ class ServiceRuntime:
             self._tasks.append(asyncio.create_task(self._run_loop(spec), name=spec.name))
         for name, run in self._background:
             self._tasks.append(asyncio.create_task(run(self._stop), name=name))
+        self.health.stage = Stage.RUNNING
         log.info("%s running", self.name)
         stop_wait = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop_wait, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -212,6 +291,7 @@ class ServiceRuntime:
         outage = Outage(log, self.name, f"loop {spec.name}")
         try:
             while not self._stop.is_set():
+                spec.last_turn = time.monotonic()
                 if not spec.singleton or await lease.try_acquire():
                     try:
                         await spec.tick()
@@ -232,6 +312,7 @@ class ServiceRuntime:
 
     async def close(self) -> None:
         self._stop.set()
+        self.health.stage = Stage.STOPPING
         for runner in self._consumers:
             runner.stop()
         for callback in self._on_close:
@@ -257,6 +338,7 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.engine.dispose(), 10)
         metrics.UP.labels(self.name).set(0)
+        await self._server.stop()
         log.info("%s stopped", self.name)
 
 

@@ -122,6 +122,10 @@ class IngestSettings(Section):
     prometheus_interval_s: float = Field(default=5.0, gt=0)
     prometheus_timeout_s: float = Field(default=3.0, gt=0)
     prometheus_max_age_s: float = Field(default=30.0, gt=0, description="newest sample age")
+    # gpusched_gpu_utilization and gpusched_gpu_memory_used_ratio: two series per GPU
+    # (node and GPU labels), counted at each scrape. Where dcgm-exporter's own series are
+    # scraped anyway, a very large cluster may turn them off (docs/operating.md).
+    gpu_metrics: bool = Field(default=True, description="per-GPU gauges on /metrics")
 
     @field_validator("replica")
     @classmethod

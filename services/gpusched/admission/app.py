@@ -22,7 +22,7 @@ from gpusched.contracts.messages import NodeReply, NodeVerb, T
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
 from gpusched.domain.sharing import ModeSchedule, Overcommit
-from gpusched.infra import access, bus
+from gpusched.infra import access, bus, metrics
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
@@ -229,6 +229,8 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
     # Looks a few times per timeout, so a change is failed soon after its deadline.
     every = min(settings.mig_apply_timeout_s / 4, settings.mig_reconcile_interval_s)
     rt.every("mig-deadlines", every, deadlines.tick, singleton=True)
+    # The queue and GPU gauges, counted from the scheduler's memory when scraped.
+    metrics.on_scrape(NAME, scheduler.view.scrape)
     scheduler.kick()  # jobs queued before this start are placed at once
     return AdmissionService(jobs, scheduler, keeper, nodes)
 

@@ -48,6 +48,7 @@ from .explain import find
 from .index import FairOrder, QueueIndex
 from .intake import Intake, Submission
 from .keeper import LedgerKeeper
+from .metrics import SUBMITS
 from .nodes import newest_checkpoint
 from .queue import Clock, JobState
 
@@ -73,6 +74,12 @@ class JobsApi:
         self._intake = Intake(uow, kick)
 
     async def submit(self, raw: bytes) -> SubmitReply:
+        reply = await self._submit(raw)
+        outcome = "accepted" if reply.ok else "refused"
+        SUBMITS.labels(outcome if reply.error is None else str(reply.error.code)).inc()
+        return reply
+
+    async def _submit(self, raw: bytes) -> SubmitReply:
         job = parse_request(SubmitJob, raw)
         if isinstance(job, Invalid):
             return SubmitReply(ok=False, error=job.error())

@@ -48,6 +48,7 @@ from .credentials import JobCredentials
 from .explain import Attempt
 from .index import QueueIndex
 from .keeper import LedgerKeeper
+from .metrics import PASS_FAILURES, PLACEMENTS, SchedulerView
 from .planning import Grant, JobFailed, Plan, Reserving, Rules, plan
 from .queue import Clock
 from .reservations import Reservation, ReservationEnd, ended_reason, lapsed
@@ -201,6 +202,8 @@ class Scheduler:
         # The job the pass works on outside plan(), and where: the one to set aside if
         # the pass fails there.
         self._current: tuple[JobRecord, parking.Where | None] | None = None
+        # The queue and ledger as the scrape sees them (metrics.py).
+        self.view = SchedulerView(clock, leader_for_s=max(30.0, 10 * interval_s))
 
     def kick(self) -> None:
         """Ask for a pass now (capacity freed or a job queued) instead of at the next tick."""
@@ -211,7 +214,12 @@ class Scheduler:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._kicked.wait(), self._interval_s)
         self._kicked.clear()
-        await self.run_pass()
+        self.view.ticked_at = time.monotonic()
+        try:
+            await self.run_pass()
+        except Exception as exc:
+            PASS_FAILURES.labels("outage" if is_outage(exc) else "error").inc()
+            raise
 
     async def run_pass(self) -> int:
         """Place what fits now; returns how many jobs were placed.
@@ -231,6 +239,7 @@ class Scheduler:
                 if culprit is None:
                     raise
                 job_id, where = culprit
+                PASS_FAILURES.labels("parked").inc()
                 log.exception("the scheduling pass failed on job %s", job_id)
                 await self._set_aside(job_id, where, exc)
         return await self._pass()
@@ -328,6 +337,7 @@ class Scheduler:
             now = self._clock()
             changed = await self._queue.refresh(uow)
             queue = self._queue.index
+            self.view.queue, self.view.ledger = queue, ledger
             # The stored reservations that still hold (see reservations.py); the others
             # end now, which frees their nodes for every job.
             reserved, ended = await self._holding(uow, queue, now)
@@ -348,7 +358,11 @@ class Scheduler:
                 # answering (the ledger lock keeps every other user of the ledger away
                 # meanwhile). A few jobs plan quicker than the hand-over to a thread.
                 few = only is not None and len(only) <= _PLAN_INLINE
-                outcome = planning() if few else await asyncio.to_thread(planning)
+                self.view.planning = True
+                try:
+                    outcome = planning() if few else await asyncio.to_thread(planning)
+                finally:
+                    self.view.planning = False
                 ended.extend(
                     (reservation, ReservationEnd.PLACED, job)
                     for reservation, job in outcome.placed_reserved
@@ -369,6 +383,7 @@ class Scheduler:
             )  # fmt: skip
         for grant in outcome.grants:
             queue.drop(grant.job.job_id)
+            PLACEMENTS.labels(str(grant.granted.pool), str(grant.job.priority_class)).inc()
         await self._queue.audited([job.job_id for job, _ in outcome.waiting])
         PASS_SECONDS.labels("full" if full else "incremental").observe(
             time.perf_counter() - started_at

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import datetime
 from decimal import Decimal
 
-from gpusched.billing import statement, store
+from gpusched.billing import metrics, statement, store
 from gpusched.billing.api import ErrorCode, StatementReply, StatementRequest
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
@@ -74,6 +74,7 @@ class LedgerHandlers:
         )
         if not recorded:
             return  # the same allocation announced again under another envelope
+        uow.on_commit(lambda: metrics.allocation_opened(granted.team, gpu_milli))
         unpriced = sorted(m for m in gpu_milli if not _priced(self._book, m))
         if unpriced:
             # Metered all the same (the usage happened); the statement request will fail
@@ -91,7 +92,7 @@ class LedgerHandlers:
         released = envelope.payload(AllocationReleased)
         # Recorded even without a known opening: the pair is matched when priced, so the
         # order in which the two arrive does not matter.
-        await store.record_closed(
+        closing = await store.record_closed(
             uow,
             allocation_id=released.allocation_id,
             at=released.released_at,
@@ -99,6 +100,13 @@ class LedgerHandlers:
             job_id=released.job_id,
             message_id=envelope.id,
         )
+        opened_at = closing.opened_at
+        if closing.recorded and opened_at is not None:
+            uow.on_commit(
+                lambda: metrics.allocation_closed(
+                    self._book, released.team, opened_at, released.released_at, closing.gpu_milli
+                )
+            )
 
     async def on_eviction_forced(self, envelope: Envelope, uow: UnitOfWork) -> None:
         forced = envelope.payload(EvictionForced)
@@ -126,6 +134,9 @@ class LedgerHandlers:
         )
         if not await store.record_credit(uow, credit, message_id=envelope.id):
             return
+        uow.on_commit(
+            lambda: metrics.credited(self._book, usage.team, model, credit.lost_gpu_seconds)
+        )
         await uow.audit(
             "billing.credit",
             entity=forced.allocation_id,

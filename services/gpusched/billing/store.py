@@ -93,24 +93,41 @@ async def record_opened(
     return result.first() is not None
 
 
+@dataclass(frozen=True)
+class Closing:
+    """What recording an allocation's closing found: whether it was new, and the
+    allocation's opening (None if billing has not seen it yet)."""
+
+    recorded: bool
+    opened_at: datetime | None
+    gpu_milli: dict[str, int]
+
+
 async def record_closed(
     uow: UnitOfWork, *, allocation_id: str, at: datetime, team: str, job_id: str, message_id: str
-) -> bool:
-    """Append the closing of an allocation; False if it was already recorded."""
+) -> Closing:
+    """Append the closing of an allocation (not recorded if it already was), and read its
+    opening in the same statement."""
     result = await uow.execute(
-        f"INSERT INTO {uow.schema}.usage_events (allocation_id, event, at, team, job_id, "
-        "message_id) VALUES (:a, :e, :at, :team, :job, :m) "
-        "ON CONFLICT (allocation_id, event) DO NOTHING RETURNING seq",
+        f"WITH closed AS (INSERT INTO {uow.schema}.usage_events (allocation_id, event, at, "
+        "team, job_id, message_id) VALUES (:a, :e, :at, :team, :job, :m) "
+        "ON CONFLICT (allocation_id, event) DO NOTHING RETURNING seq) "
+        "SELECT (SELECT count(*) FROM closed) AS recorded, o.at, o.gpu_milli::text AS gpus "
+        f"FROM (SELECT 1) AS one LEFT JOIN {uow.schema}.usage_events o "
+        "ON o.allocation_id = :a AND o.event = :opened",
         {
             "a": allocation_id,
             "e": UsageEvent.CLOSED.value,
+            "opened": UsageEvent.OPENED.value,
             "at": at,
             "team": team,
             "job": job_id,
             "m": message_id,
         },
     )
-    return result.first() is not None
+    row = result.one()
+    gpus = json.loads(row.gpus) if row.gpus else {}
+    return Closing(bool(row.recorded), row.at, {str(k): int(v) for k, v in gpus.items()})
 
 
 _USAGE_SELECT = (

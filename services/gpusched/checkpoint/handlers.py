@@ -24,7 +24,7 @@ from enum import StrEnum
 from itertools import pairwise
 from typing import Any, Final
 
-from gpusched.checkpoint import store
+from gpusched.checkpoint import metrics, store
 from gpusched.checkpoint.api import checkpoint_info
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.storage import CheckpointStorage, FsspecStorage
@@ -242,6 +242,7 @@ class SagaHandlers:
         )
         # Read storage before locking any saga row: hashing can take a while.
         verdict, facts = await self._check(uow, job_id, ref, confirmed.kind)
+        uow.on_commit(lambda: metrics.claim_judged(verdict.check))
         now = self._now()
         sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
         if not verdict.counts:
@@ -378,6 +379,8 @@ async def _carry_out(
     causation_id: str | None,
 ) -> None:
     saga = decision.saga
+    if saga.state in TERMINAL_STATES and before not in TERMINAL_STATES:
+        uow.on_commit(lambda: metrics.saga_ended(saga))
     trace = await store.saga_trace(uow, saga.saga_id) if decision.effects else None
     for effect in decision.effects:
         await _emit(uow, saga, effect, causation_id, trace)

@@ -7,12 +7,13 @@ import asyncio
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import GpuSample, T
 from gpusched.contracts.subjects import telemetry_partition
-from gpusched.infra import bus
+from gpusched.infra import bus, metrics
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import IngestSettings, Settings
 from gpusched.ingest import handlers, promql, scrape
 from gpusched.ingest.fold import TelemetryFold
+from gpusched.ingest.metrics import IngestView
 
 NAME = handlers.NAME
 SCHEMA = "ingest"
@@ -70,12 +71,22 @@ async def build(rt: ServiceRuntime) -> TelemetryFold:
         )
     )
 
+    # The cluster gauges (pools, inference P99 and SLO, each GPU), counted when scraped.
+    view = IngestView(
+        fold,
+        rt.settings.preemption.slo_ms,
+        settings.gpu_metrics,
+        snapshot_fresh_s=max(10.0, 5 * settings.snapshot_interval_s),
+    )
+    metrics.on_scrape(NAME, view.scrape)
+
     async def snapshot_tick() -> None:
         async with rt.uow() as uow:
-            await handlers.publish_snapshot(
+            snapshot = await handlers.publish_snapshot(
                 uow, settings, utcnow(), rt.settings.bus.max_clock_skew_s
             )
             await uow.commit()
+        view.published(snapshot)
 
     rt.every("pool-snapshot", settings.snapshot_interval_s, snapshot_tick, singleton=True)
     return fold

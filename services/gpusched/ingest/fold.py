@@ -45,7 +45,7 @@ from gpusched.infra.settings import IngestSettings
 from gpusched.ingest import store
 from gpusched.ingest.handlers import UnknownNode, check_indexes
 from gpusched.ingest.reader import SampleReader, SampleView
-from gpusched.ingest.window import Membership, TelemetryWindow
+from gpusched.ingest.window import Added, Membership, TelemetryWindow
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class TelemetryFold:
         self._stream = subjects.stream("TELEMETRY")
         self._consumer = ""
         self._resume_at: datetime | None = None
+        # Each node's newest folded sample: its memory readings, for the GPU gauges.
+        self.latest: dict[str, SampleView] = {}
 
     # --- folding (no I/O) -----------------------------------------------------------
     def take(self, raw: bytes, subject: str, now: datetime) -> tuple[str, str] | None:
@@ -194,6 +196,10 @@ class TelemetryFold:
             at = sample.time.timestamp()
             ts = now.timestamp()
             outcome = self.window.add(sample.node, partition, gpus, at, sample.readings, ts)
+            if outcome is Added.ACCEPTED:
+                newest = self.latest.get(sample.node)
+                if newest is None or newest.time <= sample.time:
+                    self.latest[sample.node] = sample
         except Exception as exc:  # a bug must cost one sample, not the replica
             self._counted[source, FAILING].inc()
             log.exception("could not fold a sample of %r", sample.node)
@@ -252,6 +258,8 @@ class TelemetryFold:
         self.membership = await store.load_membership(uow)
         for node in self.window.node_names() - self.membership.nodes.keys():
             self.window.forget(node)  # removed from the inventory
+        for node in self.latest.keys() - self.membership.nodes.keys():
+            del self.latest[node]
         known = [node for node in self._held if node in self.membership.nodes]
         now = utcnow()
         for node in known:

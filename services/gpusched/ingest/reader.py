@@ -42,15 +42,22 @@ __all__ = ["SampleReader", "SampleView"]
 
 @dataclass(frozen=True, slots=True)
 class SampleView:
-    """What the fold uses of a valid sample: the node, its time, (GPU index, util)."""
+    """What the fold uses of a valid sample: the node, its time, (GPU index, util), and
+    (GPU index, memory used, memory total) for the memory gauges."""
 
     node: str
     time: datetime
     readings: tuple[tuple[int, float], ...]
+    memory: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def of(cls, sample: GpuSample) -> SampleView:
-        return cls(sample.node, sample.time, tuple((g.index, g.util) for g in sample.gpus))
+        return cls(
+            sample.node,
+            sample.time,
+            tuple((g.index, g.util) for g in sample.gpus),
+            tuple((g.index, g.mem_used_mib, g.mem_total_mib) for g in sample.gpus),
+        )
 
 
 # The bounds of messages.GpuReading / GpuSample / Envelope; the rest is checked below.
@@ -133,13 +140,15 @@ def _fast(raw: bytes, subject: str, clock: EdgeClock) -> SampleView | None:
     clock.check(_time(envelope.time))
     at = clock.check(_time(data.time))
     readings = []
+    memory = []
     seen = set()
     for gpu in data.gpus:
         if gpu.mem_used_mib > gpu.mem_total_mib or gpu.index in seen:
             return None
         seen.add(gpu.index)
         readings.append((gpu.index, gpu.util))
-    view = SampleView(data.node, at, tuple(readings))
+        memory.append((gpu.index, gpu.mem_used_mib, gpu.mem_total_mib))
+    view = SampleView(data.node, at, tuple(readings), tuple(memory))
     check_subject(subject, T.GPU_SAMPLE, view)
     return view
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -140,6 +140,14 @@ class TelemetryWindow:
             entries.insert(at, entry)
         series.add(entry)
         return Added.ACCEPTED
+
+    def gpu_means(self) -> Iterator[tuple[str, int, float]]:
+        """(node, GPU index, mean utilization) of every GPU with samples in the window, as
+        of the last `partials` (which expires what left it)."""
+        for node, series in self._series.items():
+            for index, count in enumerate(series.counts):
+                if count:
+                    yield node, index, min(1.0, max(0.0, series.sums[index] / count))
 
     def forget(self, node: str) -> None:
         """Drop a node's samples (the inventory no longer has it)."""

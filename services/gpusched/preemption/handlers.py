@@ -66,6 +66,21 @@ TICK_FAILURES = Counter(
     "Decision rounds that failed for a reason other than an outage, by error type",
     ["error"],
 )
+DECISIONS = Counter(
+    "gpusched_controller_decisions_total",
+    "Decision rounds of the elastic-pool controller, by decision: hold, expand, shrink, withdraw",
+    ["decision"],
+)
+LENDING_GPUS = Counter(
+    "gpusched_controller_gpus_total",
+    "Shared GPUs the controller decided to lend to inference (lend) or give back (return)",
+    ["action"],
+)
+# At 0 from the start, so the first decision of a kind shows in increase() and rate().
+for _decision in ("hold", "expand", "shrink", "withdraw"):
+    DECISIONS.labels(_decision)
+for _action in ("lend", "return"):
+    LENDING_GPUS.labels(_action)
 # A snapshot dated further ahead of this service's clock would hold every later reading
 # off (readings older than the newest are ignored): it is refused instead.
 FUTURE_SKEW_S = 300.0
@@ -263,6 +278,7 @@ class Controller:
         # The snapshot that completed the window is the decision's cause.
         cause = timers.reading_id
         seen = self._inputs(cause, reading, timers.held, view, now)
+        uow.on_commit(lambda: _count_decision(outcome))
         match outcome:
             case policy.Hold(reason=reason):
                 log.debug("no pool change on reading %s: %s", cause, reason)
@@ -600,6 +616,21 @@ class Controller:
                 "max_evictions_per_min": limits.max_evictions_per_min,
             },
         }
+
+
+def _count_decision(outcome: policy.Outcome) -> None:
+    match outcome:
+        case policy.Hold():
+            DECISIONS.labels("hold").inc()
+        case policy.Expand():
+            DECISIONS.labels("expand").inc()
+            if outcome.changes_pools:
+                LENDING_GPUS.labels("lend").inc(outcome.gpus)
+        case policy.Shrink():
+            DECISIONS.labels("shrink").inc()
+            LENDING_GPUS.labels("return").inc(outcome.gpus)
+        case policy.Withdraw():
+            DECISIONS.labels("withdraw").inc()
 
 
 def _iso(at: datetime | None) -> str | None:
