@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[embedded,dev,torch]'
+	$(BIN)/pip install --quiet -e '.[embedded,dev,torch,kubernetes]'
 	touch $(STAMP)
 
 demo: $(STAMP)
