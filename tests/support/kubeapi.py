@@ -143,6 +143,11 @@ def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+def _flag(value: str | None) -> bool:
+    """A boolean query parameter as the API server reads it (Go's strconv.ParseBool)."""
+    return (value or "").lower() in ("1", "t", "true")
+
+
 def _field(obj: Obj, path: str) -> str:
     value: Any = obj
     for part in path.split("."):
@@ -152,10 +157,15 @@ def _field(obj: Obj, path: str) -> str:
 
 # Field selectors the API supports for each kind (the ones the agent may send).
 _FIELDS = {
-    "pods": {"metadata.name", "metadata.namespace", "spec.nodeName", "spec.schedulerName",
-             "status.phase"},
+    "pods": {
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.schedulerName",
+        "status.phase",
+    },
     "nodes": {"metadata.name", "spec.unschedulable"},
-}  # fmt: skip
+}
 
 
 def _fields_match(kind: Kind, selector: str, obj: Obj) -> bool:
@@ -244,6 +254,8 @@ class KubeApiStandIn:
     compacted: int = 0
     revision: int = 100
     requests: list[tuple[str, str]] = field(default_factory=list)
+    # Watches answered 410 Gone (their resourceVersion was compacted away).
+    expired_watches: int = 0
     _watchers: list[_Watcher] = field(default_factory=list)
     _fail: list[FailRule] = field(default_factory=list)
     _runner: web.AppRunner | None = None
@@ -277,7 +289,9 @@ class KubeApiStandIn:
         self._fail.append(FailRule(method, path_contains, code, times, reason))
 
     def compact(self) -> None:
-        """Expire every watch position before now (etcd compaction)."""
+        """Expire every watch position up to now (etcd compaction after writes no
+        watcher of these kinds saw): a watch from any version seen so far gets 410."""
+        self._next()
         self.compacted = self.revision
         self.history.clear()
 
@@ -378,8 +392,10 @@ class KubeApiStandIn:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         for rule in self._fail:
-            if rule.times > 0 and rule.method == request.method and rule.path_contains in (
-                request.path_qs
+            if (
+                rule.times > 0
+                and rule.method == request.method
+                and rule.path_contains in (request.path_qs)
             ):
                 rule.times -= 1
                 reason = rule.reason or {409: "Conflict", 429: "TooManyRequests"}.get(
@@ -404,7 +420,9 @@ class KubeApiStandIn:
         elif parts[0] == "apis" and len(parts) >= 3:
             rest = parts[3:]
         else:
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+            raise ApiError(
+                404, "NotFound", f"the server could not find the requested resource ({path})"
+            )
         namespace = None
         if len(rest) >= 2 and rest[0] == "namespaces":
             namespace, rest = rest[1], rest[2:]
@@ -421,7 +439,7 @@ class KubeApiStandIn:
         method = request.method
         if name is None:
             if method == "GET":
-                if request.query.get("watch") in ("true", "1"):
+                if _flag(request.query.get("watch")):
                     return await self._watch(request, kind, namespace)
                 return web.json_response(self._list(request, kind, namespace))
             if method == "POST":
@@ -485,11 +503,18 @@ class KubeApiStandIn:
         if rv_text not in ("", "0"):
             rv = int(rv_text)
             if rv < self.compacted:
+                self.expired_watches += 1
                 # What the API sends when etcd has compacted that revision away.
-                await send({"type": "ERROR", "object": status(
-                    410, "Expired",
-                    f"too old resource version: {rv} ({self.compacted})",
-                )})  # fmt: skip
+                await send(
+                    {
+                        "type": "ERROR",
+                        "object": status(
+                            410,
+                            "Expired",
+                            f"too old resource version: {rv} ({self.compacted})",
+                        ),
+                    }
+                )
                 return response
             backlog = [
                 {"type": e, "object": copy.deepcopy(o)}
@@ -505,7 +530,7 @@ class KubeApiStandIn:
             ]
         self._watchers.append(watcher)
         timeout = float(q.get("timeoutSeconds", "1800"))
-        bookmarks = q.get("allowWatchBookmarks") in ("true", "1")
+        bookmarks = _flag(q.get("allowWatchBookmarks"))
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         try:
@@ -517,10 +542,16 @@ class KubeApiStandIn:
                     event = await asyncio.wait_for(watcher.queue.get(), wait)
                 except TimeoutError:
                     if bookmarks and loop.time() < ends:
-                        await send({"type": "BOOKMARK", "object": {
-                            "kind": kind.kind, "apiVersion": kind.api_version,
-                            "metadata": {"resourceVersion": str(self.revision)},
-                        }})  # fmt: skip
+                        await send(
+                            {
+                                "type": "BOOKMARK",
+                                "object": {
+                                    "kind": kind.kind,
+                                    "apiVersion": kind.api_version,
+                                    "metadata": {"resourceVersion": str(self.revision)},
+                                },
+                            }
+                        )
                     continue
                 if event is None:
                     break
@@ -536,9 +567,11 @@ class KubeApiStandIn:
         if kind.namespaced:
             if meta.get("namespace", ns) != ns:
                 raise ApiError(
-                    400, "BadRequest", "the namespace of the provided object does not match "
+                    400,
+                    "BadRequest",
+                    "the namespace of the provided object does not match "
                     "the namespace sent on the request",
-                )  # fmt: skip
+                )
             meta["namespace"] = ns
         if not meta.get("name"):
             if not meta.get("generateName"):
@@ -551,9 +584,12 @@ class KubeApiStandIn:
         key = (kind.plural, ns, meta["name"])
         if key in self.objects:
             raise ApiError(
-                409, "AlreadyExists", f'{kind.plural} "{meta["name"]}" already exists',
-                name=meta["name"], kind=kind.plural,
-            )  # fmt: skip
+                409,
+                "AlreadyExists",
+                f'{kind.plural} "{meta["name"]}" already exists',
+                name=meta["name"],
+                kind=kind.plural,
+            )
         return self._create(kind, key, body)
 
     def _replace(self, kind: Kind, key: tuple[str, str, str], body: Obj, sub: str | None) -> Obj:
@@ -563,9 +599,11 @@ class KubeApiStandIn:
         given = body.get("metadata", {}).get("resourceVersion")
         if given and given != current["metadata"]["resourceVersion"]:
             raise conflict(
-                kind, key[2], "the object has been modified; please apply your changes to "
+                kind,
+                key[2],
+                "the object has been modified; please apply your changes to "
                 "the latest version and try again",
-            )  # fmt: skip
+            )
         if sub == "status":
             updated = copy.deepcopy(current)
             updated["status"] = body.get("status", {})
@@ -578,10 +616,12 @@ class KubeApiStandIn:
             if kind.plural == "pods":
                 if updated.get("spec") != current.get("spec"):
                     raise ApiError(
-                        422, "Invalid", f'Pod "{key[2]}" is invalid: spec: Forbidden: pod '
+                        422,
+                        "Invalid",
+                        f'Pod "{key[2]}" is invalid: spec: Forbidden: pod '
                         "updates may not change fields other than a few (image, "
                         "tolerations, activeDeadlineSeconds...)",
-                    )  # fmt: skip
+                    )
                 updated["status"] = current.get("status", {})
         return self._store(kind, key, updated, "MODIFIED")
 
@@ -612,9 +652,15 @@ class KubeApiStandIn:
         pod = self.objects[key]
         spec_grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         grace = spec_grace if grace is None else grace
-        if grace == 0 or not pod["spec"].get("nodeName") or pod["status"].get("phase") in (
-            "Succeeded", "Failed",
-        ):  # fmt: skip
+        if (
+            grace == 0
+            or not pod["spec"].get("nodeName")
+            or pod["status"].get("phase")
+            in (
+                "Succeeded",
+                "Failed",
+            )
+        ):
             return self._delete_now(kind, key)
         meta = pod["metadata"]
         if "deletionTimestamp" in meta and meta.get("deletionGracePeriodSeconds", grace) <= grace:
@@ -634,17 +680,16 @@ class KubeApiStandIn:
             raise ApiError(422, "Invalid", "Binding is invalid: target.name: Required value")
         if pod["spec"].get("nodeName"):
             raise conflict(
-                kind, key[2], f"pod {key[2]} is already assigned to node "
-                f'"{pod["spec"]["nodeName"]}"',
-            )  # fmt: skip
+                kind,
+                key[2],
+                f'pod {key[2]} is already assigned to node "{pod["spec"]["nodeName"]}"',
+            )
         if "deletionTimestamp" in pod["metadata"]:
             raise conflict(kind, key[2], "pod is being deleted, cannot be assigned to a host")
         updated = copy.deepcopy(pod)
         updated["spec"]["nodeName"] = target
         conditions = updated["status"].setdefault("conditions", [])
-        conditions.append(
-            {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}
-        )
+        conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()})
         self._store(kind, key, updated, "MODIFIED")
         return status(201, "", "") | {"status": "Success"}
 
@@ -662,10 +707,10 @@ class KubeApiStandIn:
             if not healthy:
                 continue  # an unhealthy pod may always be evicted (IfHealthyBudget)
             matching = [
-                p for p in self.list("pods", key[1])
-                if all((p["metadata"].get("labels") or {}).get(k) == v
-                       for k, v in selector.items())
-            ]  # fmt: skip
+                p
+                for p in self.list("pods", key[1])
+                if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items())
+            ]
             running = sum(1 for p in matching if p["status"].get("phase") == "Running")
             spec = pdb["spec"]
             if "minAvailable" in spec:
@@ -677,14 +722,17 @@ class KubeApiStandIn:
             if allowed <= 0:
                 name = pdb["metadata"]["name"]
                 raise ApiError(
-                    429, "TooManyRequests",
+                    429,
+                    "TooManyRequests",
                     "Cannot evict pod as it would violate the pod's disruption budget.",
-                    causes=[{
-                        "reason": "DisruptionBudget",
-                        "message": f"The disruption budget {name} needs {need} healthy pods "
-                        f"and has {running} currently",
-                    }],
-                )  # fmt: skip
+                    causes=[
+                        {
+                            "reason": "DisruptionBudget",
+                            "message": f"The disruption budget {name} needs {need} healthy pods "
+                            f"and has {running} currently",
+                        }
+                    ],
+                )
         grace = (body.get("deleteOptions") or {}).get("gracePeriodSeconds")
         self._delete_pod(key, grace)
         return status(201, "", "") | {"status": "Success"}
@@ -707,16 +755,23 @@ class KubeApiStandIn:
                 "dryRun": False,
             },
         }
-        context = ssl.create_default_context(cafile=str(self.webhook_ca)) if self.webhook_ca else None
+        context = (
+            ssl.create_default_context(cafile=str(self.webhook_ca)) if self.webhook_ca else None
+        )
         try:
-            async with aiohttp.ClientSession() as session, session.post(
-                self.webhook_url, json=review, ssl=context if context else False,
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as reply:  # fmt: skip
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    self.webhook_url,
+                    json=review,
+                    ssl=context if context else False,
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as reply,
+            ):
                 answer = await reply.json()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ApiError(
-                500, "InternalError", f'Internal error occurred: failed calling webhook: {exc}'
+                500, "InternalError", f"Internal error occurred: failed calling webhook: {exc}"
             ) from exc
         response = answer.get("response") or {}
         if response.get("uid") != review["request"]["uid"]:
@@ -724,9 +779,10 @@ class KubeApiStandIn:
         if not response.get("allowed"):
             result = response.get("status") or {}
             raise ApiError(
-                int(result.get("code", 403)), "Forbidden",
+                int(result.get("code", 403)),
+                "Forbidden",
                 f"admission webhook denied the request: {result.get('message', '')}",
-            )  # fmt: skip
+            )
         if response.get("patch"):
             if response.get("patchType") != "JSONPatch":
                 raise ApiError(500, "InternalError", "webhook patchType must be JSONPatch")

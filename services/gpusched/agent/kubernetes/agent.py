@@ -189,6 +189,7 @@ class KubernetesAgent:
         self._mig: dict[str, _MigChange] = {}
         self._announced_at: int | None = None
         self._closing = False
+        self._tasks: set[asyncio.Future[None]] = set()
 
     # --- informer listeners: quick, they only mark work ---------------------------------
     def _on_pod(self, kind: str, pod: Obj) -> None:
@@ -261,8 +262,9 @@ class KubernetesAgent:
                 if self._node_problems.get(name) != str(exc):
                     self._node_problems[name] = str(exc)
                     log.warning("%s", exc)
-                    await_ = self._event("Node", name, "", "GpuschedNodeIgnored", str(exc), "Warning")
-                    asyncio.ensure_future(await_)
+                    self._later(
+                        self._event("Node", name, "", "GpuschedNodeIgnored", str(exc), "Warning")
+                    )
                 continue
             if node is not None:
                 observed[name] = node
@@ -297,7 +299,9 @@ class KubernetesAgent:
             await self._publisher.publish(
                 self._s.event("agent", T.NODE_HEALTH),
                 T.NODE_HEALTH,
-                NodeHealth(node=node, healthy=healthy, reason=f"kubernetes: {reason}", time=self._now()),
+                NodeHealth(
+                    node=node, healthy=healthy, reason=f"kubernetes: {reason}", time=self._now()
+                ),
                 correlation_id=node,
             )
             return
@@ -306,8 +310,11 @@ class KubernetesAgent:
             body: Obj = {"spec": spec, "operator": operator, "reason": f"kubernetes: {reason}"}
             verb = NodeVerb.ADD
         else:
-            verb = {Action.DRAIN: NodeVerb.DRAIN, Action.UNDRAIN: NodeVerb.UNDRAIN,
-                    Action.REMOVE: NodeVerb.REMOVE}[action]  # fmt: skip
+            verb = {
+                Action.DRAIN: NodeVerb.DRAIN,
+                Action.UNDRAIN: NodeVerb.UNDRAIN,
+                Action.REMOVE: NodeVerb.REMOVE,
+            }[action]
             body = {"node": node, "operator": operator, "reason": f"kubernetes: {reason}"}
         reply = NodeReply.model_validate_json(await self._request(self._s.api_nodes(verb), body))
         if not reply.ok and reply.error is not None:
@@ -334,7 +341,7 @@ class KubernetesAgent:
                 if key not in self._refused:
                     self._refused[key] = str(exc)
                     log.warning("%s", exc)
-                    asyncio.ensure_future(self._pod_event(obj, "GpuschedRefused", str(exc), "Warning"))
+                    self._later(self._pod_event(obj, "GpuschedRefused", str(exc), "Warning"))
         return read
 
     async def _reconcile_pods(self) -> None:
@@ -374,8 +381,7 @@ class KubernetesAgent:
             raise PodRefused(f"namespace {namespace} runs no gpusched jobs (no team for it)")
         if team != owner:
             raise PodRefused(
-                f"label {L.TEAM}={team!r} names another team than namespace {namespace}'s "
-                f"({owner})"
+                f"label {L.TEAM}={team!r} names another team than namespace {namespace}'s ({owner})"
             )
         return owner
 
@@ -408,8 +414,14 @@ class KubernetesAgent:
             self._refused[m.key] = why
             with contextlib.suppress(NotFound, Conflict):
                 await self._annotate(m.namespace, m.name, {L.REFUSED: why[:1000]})
-            await self._pod_event(self.pods.cache.get(m.key, {"metadata": {"name": m.name, "namespace": m.namespace}}),
-                                  "GpuschedRefused", why, "Warning")  # fmt: skip
+            await self._pod_event(
+                self.pods.cache.get(
+                    m.key, {"metadata": {"name": m.name, "namespace": m.namespace}}
+                ),
+                "GpuschedRefused",
+                why,
+                "Warning",
+            )
         await self._audit("k8s.pod_refused", ",".join(m.name for m in members), why, {})
 
     async def _annotate(self, namespace: str, name: str, notes: dict[str, str]) -> Obj:
@@ -439,10 +451,15 @@ class KubernetesAgent:
             await self._publisher.publish(
                 self._s.event("agent", T.WORKLOAD_STARTED),
                 T.WORKLOAD_STARTED,
-                WorkloadStarted(allocation_id=alloc, job_id=state.job_id, node=node or "", started_at=self._now()),
+                WorkloadStarted(
+                    allocation_id=alloc,
+                    job_id=state.job_id,
+                    node=node or "",
+                    started_at=self._now(),
+                ),
                 correlation_id=state.job_id,
                 envelope_id=event_id(alloc, "started"),
-            )  # fmt: skip
+            )
             state.started_reported = True
             log.info("allocation %s of job %s is running", alloc, state.job_id)
         elif result.progress is Progress.ENDED:
@@ -477,10 +494,18 @@ class KubernetesAgent:
             else:
                 ended = outcome(obj)
                 if ended.progress is Progress.ENDED:
-                    reason, code, error = ended.reason or StopReason.FAILED, ended.exit_code, ended.error
+                    reason, code, error = (
+                        ended.reason or StopReason.FAILED,
+                        ended.exit_code,
+                        ended.error,
+                    )
                 else:
                     name = key_of(obj)[1]
-                    reason, code, error = StopReason.FAILED, None, f"pod {name} was deleted by someone else"
+                    reason, code, error = (
+                        StopReason.FAILED,
+                        None,
+                        f"pod {name} was deleted by someone else",
+                    )
                 await self._stop(alloc, state, reason, code, error)
                 for key in left:
                     with contextlib.suppress(NotFound):
@@ -495,12 +520,22 @@ class KubernetesAgent:
         return stopped
 
     async def _stop(
-        self, alloc: str, state: _Allocation, reason: StopReason, code: int | None, error: str | None
+        self,
+        alloc: str,
+        state: _Allocation,
+        reason: StopReason,
+        code: int | None,
+        error: str | None,
     ) -> None:
         saga = state.saga_id
         stopped = self._remember(alloc, state.job_id, reason, code)
-        log.info("allocation %s of job %s stopped: %s%s", alloc, state.job_id, reason.value,
-                 f" ({error})" if error else "")  # fmt: skip
+        log.info(
+            "allocation %s of job %s stopped: %s%s",
+            alloc,
+            state.job_id,
+            reason.value,
+            f" ({error})" if error else "",
+        )
         await self._publish_stop(alloc, stopped, saga, None)
 
     async def _publish_stop(
@@ -558,9 +593,12 @@ class KubernetesAgent:
         waiting = [
             self.pods.cache[key]
             for key, pod in self._pods().items()
-            if pod.job_id == start.job_id and pod.allocation_id is None and not pod.bound
-            and not pod.deleting and pod.phase == "Pending"
-        ]  # fmt: skip
+            if pod.job_id == start.job_id
+            and pod.allocation_id is None
+            and not pod.bound
+            and not pod.deleting
+            and pod.phase == "Pending"
+        ]
         spec = start.workload.pod or {}
         templates = spec.get("pods") or []
         expected = len(templates) or 1
@@ -572,10 +610,13 @@ class KubernetesAgent:
             while time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
                 waiting = [
-                    self.pods.cache[k] for k, p in self._pods().items()
-                    if p.job_id == start.job_id and not p.bound and p.allocation_id is None
+                    self.pods.cache[k]
+                    for k, p in self._pods().items()
+                    if p.job_id == start.job_id
+                    and not p.bound
+                    and p.allocation_id is None
                     and not p.deleting
-                ]  # fmt: skip
+                ]
                 if len(waiting) >= expected:
                     return waiting[:expected]
             raise StartFailed(f"its {spec['controller']} made no pod for attempt {start.attempt}")
@@ -599,7 +640,9 @@ class KubernetesAgent:
             except Conflict:
                 created.append(await self.kube.get_pod(namespace, pod["metadata"]["name"]))
             except KubeError as exc:
-                raise StartFailed(f"cannot create pod {pod['metadata']['name']}: {exc.message}") from None
+                raise StartFailed(
+                    f"cannot create pod {pod['metadata']['name']}: {exc.message}"
+                ) from None
         return created
 
     async def _start(self, start: StartWorkload) -> None:
@@ -629,11 +672,18 @@ class KubernetesAgent:
         for obj, pod in zip(objects, members, strict=True):
             node, _ = placement[pod.key]
             await self._pod_event(
-                obj, "Scheduled", f"gpusched assigned {pod.namespace}/{pod.name} to {node} "
-                f"(job {start.job_id}, attempt {start.attempt}, allocation {alloc})", "Normal",
-            )  # fmt: skip
-        log.info("bound allocation %s of job %s: %s", alloc, start.job_id,
-                 ", ".join(f"{p.name}->{placement[p.key][0]}" for p in members))  # fmt: skip
+                obj,
+                "Scheduled",
+                f"gpusched assigned {pod.namespace}/{pod.name} to {node} "
+                f"(job {start.job_id}, attempt {start.attempt}, allocation {alloc})",
+                "Normal",
+            )
+        log.info(
+            "bound allocation %s of job %s: %s",
+            alloc,
+            start.job_id,
+            ", ".join(f"{p.name}->{placement[p.key][0]}" for p in members),
+        )
         self._wake.set()
 
     async def _prepare(
@@ -667,16 +717,24 @@ class KubernetesAgent:
             await self.kube.replace_secret(secret)
         await self._claim(obj, pod, node, indices, start)
         await self._annotate(
-            pod.namespace, pod.name,
-            {L.ALLOCATION_ID: start.allocation_id, L.ATTEMPT: str(start.attempt), L.JOB_ID: start.job_id},
-        )  # fmt: skip
+            pod.namespace,
+            pod.name,
+            {
+                L.ALLOCATION_ID: start.allocation_id,
+                L.ATTEMPT: str(start.attempt),
+                L.JOB_ID: start.job_id,
+            },
+        )
 
     async def _claim(
         self, obj: Obj, pod: GpuschedPod, node: str, indices: tuple[int, ...], start: StartWorkload
     ) -> None:
         assert pod.handle is not None
         allocation = claim_allocation(obj, node, indices, start.share, self._names)
-        wanted = (node, tuple(sorted(r["device"] for r in allocation["allocation"]["devices"]["results"])))
+        wanted = (
+            node,
+            tuple(sorted(r["device"] for r in allocation["allocation"]["devices"]["results"])),
+        )
         try:
             claim = await self.kube.create_claim(
                 pod.namespace, gpu_claim(obj, pod.handle, pod.gpus, self._names)
@@ -689,7 +747,9 @@ class KubernetesAgent:
                 # or another scheduler): corrected before the pod may start, and said.
                 why = f"claim {pod.handle} held {have}, admission chose {wanted}: reallocated"
                 log.warning("pod %s: %s", pod.name, why)
-                await self._audit("k8s.claim_corrected", start.job_id, why, {"allocation_id": start.allocation_id})
+                await self._audit(
+                    "k8s.claim_corrected", start.job_id, why, {"allocation_id": start.allocation_id}
+                )
                 await self._pod_event(obj, "GpuschedClaimCorrected", why, "Warning")
                 await self.kube.delete_claim(pod.namespace, pod.handle)
                 claim = await self.kube.create_claim(
@@ -723,16 +783,22 @@ class KubernetesAgent:
         await self._until_synced()
         members = [p for p in self._pods().values() if p.allocation_id == alloc]
         if members and members[0].job_id != evict.job_id:
-            await self._evict_failed(evict, envelope.id, f"allocation {alloc} runs job {members[0].job_id}")
+            await self._evict_failed(
+                evict, envelope.id, f"allocation {alloc} runs job {members[0].job_id}"
+            )
             return
         if not members:
             stopped = self._stopped.get(alloc)
             if stopped is None:
-                await self._evict_failed(evict, envelope.id, "no pod of this allocation on the cluster")
+                await self._evict_failed(
+                    evict, envelope.id, "no pod of this allocation on the cluster"
+                )
             else:
                 await self._publish_stop(alloc, stopped, evict.saga_id, envelope.id)
             return
-        state = self._allocations.setdefault(alloc, _Allocation(evict.job_id, {m.key for m in members}))
+        state = self._allocations.setdefault(
+            alloc, _Allocation(evict.job_id, {m.key for m in members})
+        )
         grace = self._settings.evict_grace_s.get(members[0].priority_class.value, 30)
         deadline = time.monotonic() + self._settings.evict_retry_s
         pending = [m for m in members if not m.deleting]
@@ -752,15 +818,24 @@ class KubernetesAgent:
                 if time.monotonic() >= deadline:
                     causes = exc.body.get("details", {}).get("causes") or [{}]
                     why = causes[0].get("message") or exc.message
-                    await self._pod_event(self.pods.cache.get(pod.key, {}), "GpuschedEvictionRefused", why, "Warning")
-                    await self._evict_failed(evict, envelope.id, f"the Eviction API refused pod {pod.name}: {why}")
+                    await self._pod_event(
+                        self.pods.cache.get(pod.key, {}), "GpuschedEvictionRefused", why, "Warning"
+                    )
+                    await self._evict_failed(
+                        evict, envelope.id, f"the Eviction API refused pod {pod.name}: {why}"
+                    )
                     return
                 await asyncio.sleep(min(exc.retry_after_s, max(0.1, deadline - time.monotonic())))
                 continue
             state.saga_id = evict.saga_id
             pending.pop(0)
-        log.info("evicting allocation %s of job %s (saga %s, grace %ds)", alloc, evict.job_id,
-                 evict.saga_id, grace)  # fmt: skip
+        log.info(
+            "evicting allocation %s of job %s (saga %s, grace %ds)",
+            alloc,
+            evict.job_id,
+            evict.saga_id,
+            grace,
+        )
         self._wake.set()
 
     async def _evict_failed(self, evict: EvictWorkload, causation_id: str, error: str) -> None:
@@ -768,11 +843,16 @@ class KubernetesAgent:
         await self._publisher.publish(
             self._s.event("agent", T.EVICT_FAILED),
             T.EVICT_FAILED,
-            EvictFailed(allocation_id=evict.allocation_id, job_id=evict.job_id, saga_id=evict.saga_id, error=error[:1000]),
+            EvictFailed(
+                allocation_id=evict.allocation_id,
+                job_id=evict.job_id,
+                saga_id=evict.saga_id,
+                error=error[:1000],
+            ),
             correlation_id=evict.saga_id,
             causation_id=causation_id,
             envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id, causation_id),
-        )  # fmt: skip
+        )
 
     async def on_renew_credentials(self, envelope: Envelope) -> None:
         renewal = envelope.payload(RenewCredentials)
@@ -807,10 +887,15 @@ class KubernetesAgent:
         else:
             for granted in self._granted.values():
                 if any(g.node == command.node and g.index == command.gpu for g in granted.gpus):
-                    refusal = f"GPU {command.node}/{command.gpu} still runs allocation {granted.allocation_id}"
+                    refusal = (
+                        f"GPU {command.node}/{command.gpu} still runs allocation "
+                        f"{granted.allocation_id}"
+                    )
                     break
         if refusal is not None:
-            await self._mig_failed(command.change_id, command.node, command.gpu, refusal, envelope.id)
+            await self._mig_failed(
+                command.change_id, command.node, command.gpu, refusal, envelope.id
+            )
             return
         assert node is not None
         layouts = await self._node_layouts(node)
@@ -819,18 +904,30 @@ class KubernetesAgent:
         await self._write_mig_config(name, layouts)
         await self.kube.patch_node_labels(command.node, {L.MIG_CONFIG: name})
         self._mig[command.node] = _MigChange(
-            command.change_id, command.node, command.gpu, list(command.profiles), name,
-            time.monotonic() + self._settings.mig_timeout_s, envelope.id,
-        )  # fmt: skip
-        log.info("node %s: MIG config %s asked of the MIG manager (GPU %d: %s)", command.node,
-                 name, command.gpu, "+".join(command.profiles) or "off")  # fmt: skip
+            command.change_id,
+            command.node,
+            command.gpu,
+            list(command.profiles),
+            name,
+            time.monotonic() + self._settings.mig_timeout_s,
+            envelope.id,
+        )
+        log.info(
+            "node %s: MIG config %s asked of the MIG manager (GPU %d: %s)",
+            command.node,
+            name,
+            command.gpu,
+            "+".join(command.profiles) or "off",
+        )
 
     async def _node_layouts(self, node: Obj) -> dict[int, list[str]]:
         current = ((node.get("metadata") or {}).get("labels") or {}).get(L.MIG_CONFIG)
         if not current or not current.startswith("gpusched-"):
             return {}
         try:
-            configmap = await self.kube.get_configmap(self._settings.namespace, self._settings.mig_configmap)
+            configmap = await self.kube.get_configmap(
+                self._settings.namespace, self._settings.mig_configmap
+            )
         except NotFound:
             return {}
         parsed = yaml.safe_load((configmap.get("data") or {}).get("config.yaml") or "{}") or {}
@@ -847,8 +944,12 @@ class KubernetesAgent:
             try:
                 configmap = await self.kube.get_configmap(ns, cm_name)
             except NotFound:
-                configmap = {"apiVersion": "v1", "kind": "ConfigMap",
-                             "metadata": {"name": cm_name, "namespace": ns}, "data": {}}  # fmt: skip
+                configmap = {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {"name": cm_name, "namespace": ns},
+                    "data": {},
+                }
             parsed = yaml.safe_load((configmap.get("data") or {}).get("config.yaml") or "{}") or {}
             parsed.setdefault("version", "v1")
             parsed.setdefault("mig-configs", {})[name] = mig.mig_parted(layouts)
@@ -868,29 +969,49 @@ class KubernetesAgent:
             node = self.nodes.cache.get(("", node_name))
             node_labels = ((node or {}).get("metadata") or {}).get("labels") or {}
             state = node_labels.get(L.MIG_CONFIG_STATE)
-            if node is not None and node_labels.get(L.MIG_CONFIG) == change.config and state == mig.SUCCESS:
+            if (
+                node is not None
+                and node_labels.get(L.MIG_CONFIG) == change.config
+                and state == mig.SUCCESS
+            ):
                 del self._mig[node_name]
                 await self._publisher.publish(
                     self._s.event("agent", T.MIG_CONFIGURED),
                     T.MIG_CONFIGURED,
-                    MigConfigured(change_id=change.change_id, node=node_name, gpu=change.gpu,
-                                  profiles=change.profiles, applied_at=self._now()),
+                    MigConfigured(
+                        change_id=change.change_id,
+                        node=node_name,
+                        gpu=change.gpu,
+                        profiles=change.profiles,
+                        applied_at=self._now(),
+                    ),
                     correlation_id=change.change_id,
                     causation_id=change.causation_id,
                     envelope_id=event_id(change.change_id, "mig"),
-                )  # fmt: skip
+                )
             elif node is None or state == mig.FAILED or time.monotonic() > change.deadline:
                 del self._mig[node_name]
-                why = ("the MIG manager reported failed" if state == mig.FAILED else
-                       "the node is gone" if node is None else "the MIG manager did not finish in time")  # fmt: skip
-                await self._mig_failed(change.change_id, node_name, change.gpu, why, change.causation_id)
+                why = (
+                    "the MIG manager reported failed"
+                    if state == mig.FAILED
+                    else "the node is gone"
+                    if node is None
+                    else "the MIG manager did not finish in time"
+                )
+                await self._mig_failed(
+                    change.change_id, node_name, change.gpu, why, change.causation_id
+                )
 
-    async def _mig_failed(self, change_id: str, node: str, gpu: int, error: str, causation_id: str) -> None:
+    async def _mig_failed(
+        self, change_id: str, node: str, gpu: int, error: str, causation_id: str
+    ) -> None:
         log.warning("cannot change the MIG layout of %s/%d: %s", node, gpu, error)
         await self._publisher.publish(
             self._s.event("agent", T.MIG_CONFIGURE_FAILED),
             T.MIG_CONFIGURE_FAILED,
-            MigConfigureFailed(change_id=change_id, node=node, gpu=gpu, error=error, time=self._now()),
+            MigConfigureFailed(
+                change_id=change_id, node=node, gpu=gpu, error=error, time=self._now()
+            ),
             correlation_id=change_id,
             causation_id=causation_id,
             envelope_id=event_id(change_id, "mig-failed"),
@@ -913,18 +1034,27 @@ class KubernetesAgent:
         """Allocations whose pods are bound and not ended: they run (or are starting)."""
         allocs: set[str] = set()
         for key, pod in self._pods().items():
-            if pod.allocation_id and pod.bound and not pod.deleting:
-                if outcome(self.pods.cache[key]).progress is not Progress.ENDED:
-                    allocs.add(pod.allocation_id)
+            ended = outcome(self.pods.cache[key]).progress is Progress.ENDED
+            if pod.allocation_id and pod.bound and not pod.deleting and not ended:
+                allocs.add(pod.allocation_id)
         return sorted(allocs)
 
     async def announce(self) -> None:
         nodes = sorted(set(self.observed_nodes()) & set(self._admission))
-        ready = AgentReady(agent_id=self.agent_id, nodes=nodes, running=self.running(), time=self._now())
-        log.info("agent %s ready: %d node(s), %d allocation(s) running", self.agent_id,
-                 len(ready.nodes), len(ready.running))  # fmt: skip
+        ready = AgentReady(
+            agent_id=self.agent_id, nodes=nodes, running=self.running(), time=self._now()
+        )
+        log.info(
+            "agent %s ready: %d node(s), %d allocation(s) running",
+            self.agent_id,
+            len(ready.nodes),
+            len(ready.running),
+        )
         await self._publisher.publish(
-            self._s.event("agent", T.AGENT_READY), T.AGENT_READY, ready, correlation_id=self.agent_id
+            self._s.event("agent", T.AGENT_READY),
+            T.AGENT_READY,
+            ready,
+            correlation_id=self.agent_id,
         )
 
     async def close(self) -> None:
@@ -934,16 +1064,35 @@ class KubernetesAgent:
         if left:
             log.warning("agent stopped with %d report(s) undelivered", left)
 
+    def _later(self, work: Awaitable[None]) -> None:
+        """Run `work` (an Event to record) beside the caller, which must not wait."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     # --- Events and audit ---------------------------------------------------------------------
     async def _pod_event(self, pod: Obj, reason: str, message: str, kind: str) -> None:
         meta = pod.get("metadata") or {}
-        await self._event("Pod", meta.get("name", ""), meta.get("namespace", "default"), reason,
-                          message, kind, meta.get("uid"))  # fmt: skip
+        await self._event(
+            "Pod",
+            meta.get("name", ""),
+            meta.get("namespace", "default"),
+            reason,
+            message,
+            kind,
+            meta.get("uid"),
+        )
 
     async def _event(
-        self, kind: str, name: str, namespace: str, reason: str, message: str, type_: str,
+        self,
+        kind: str,
+        name: str,
+        namespace: str,
+        reason: str,
+        message: str,
+        type_: str,
         uid: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A Kubernetes Event (what `kubectl describe` shows); best effort."""
         stamp = self._now().strftime("%Y-%m-%dT%H:%M:%SZ")
         ns = namespace or self._settings.namespace
@@ -951,8 +1100,13 @@ class KubernetesAgent:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{name}.", "namespace": ns},
-            "involvedObject": {"kind": kind, "name": name, "namespace": namespace, "uid": uid,
-                               "apiVersion": "v1"},
+            "involvedObject": {
+                "kind": kind,
+                "name": name,
+                "namespace": namespace,
+                "uid": uid,
+                "apiVersion": "v1",
+            },
             "reason": reason,
             "message": message[:1024],
             "type": type_,
@@ -962,7 +1116,7 @@ class KubernetesAgent:
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
             "count": 1,
-        }  # fmt: skip
+        }
         try:
             await self.kube.create_event(ns, event)
         except Exception as exc:
@@ -972,8 +1126,14 @@ class KubernetesAgent:
         await self._publisher.publish(
             self._s.audit(action),
             T.AUDIT,
-            AuditRecord(action=action, actor="agent", entity=entity[:200], reason=reason[:4000],
-                        details=details, time=self._now()),  # fmt: skip
+            AuditRecord(
+                action=action,
+                actor="agent",
+                entity=entity[:200],
+                reason=reason[:4000],
+                details=details,
+                time=self._now(),
+            ),
         )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Coroutine
+from typing import Any
 
 from gpusched.agent.feed import caught_up, follow_admission
 from gpusched.agent.publisher import Publisher
@@ -94,8 +96,8 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
     return agent
 
 
-async def _until(stopping: asyncio.Event, work: object) -> None:
-    task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+async def _until(stopping: asyncio.Event, work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(work)
     stop = asyncio.ensure_future(stopping.wait())
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -103,3 +105,5 @@ async def _until(stopping: asyncio.Event, work: object) -> None:
         for t in (task, stop):
             t.cancel()
         await asyncio.gather(task, stop, return_exceptions=True)
+    if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+        raise error

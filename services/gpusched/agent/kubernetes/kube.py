@@ -61,7 +61,12 @@ class Gone(KubeError):
     """410: the watch's resourceVersion is older than the history the server keeps."""
 
 
-_BY_CODE: dict[int, type[KubeError]] = {404: NotFound, 409: Conflict, 410: Gone, 429: TooManyRequests}
+_BY_CODE: dict[int, type[KubeError]] = {
+    404: NotFound,
+    409: Conflict,
+    410: Gone,
+    429: TooManyRequests,
+}
 
 
 def _error(code: int, body: Any, retry_after: str | None = None) -> Exception:
@@ -81,9 +86,11 @@ async def connect(kubeconfig: Path | None) -> client.ApiClient:
     """A client from a kubeconfig file, else from the pod's service account."""
     configuration = client.Configuration()
     if kubeconfig is not None:
-        await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+        await config.load_kube_config(
+            config_file=str(kubeconfig), client_configuration=configuration
+        )
     else:
-        config.load_incluster_config(client_configuration=configuration)
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     return client.ApiClient(configuration)
 
 
@@ -128,7 +135,9 @@ class Kube:
         return await self._call(self.core.list_node)
 
     async def list_pods(self, field_selector: str) -> Obj:
-        return await self._call(self.core.list_pod_for_all_namespaces, field_selector=field_selector)
+        return await self._call(
+            self.core.list_pod_for_all_namespaces, field_selector=field_selector
+        )
 
     async def get_pod(self, namespace: str, name: str) -> Obj:
         return await self._call(self.core.read_namespaced_pod, name, namespace)
@@ -142,7 +151,9 @@ class Kube:
 
     async def replace_pod(self, pod: Obj) -> Obj:
         meta = pod["metadata"]
-        return await self._call(self.core.replace_namespaced_pod, meta["name"], meta["namespace"], pod)
+        return await self._call(
+            self.core.replace_namespaced_pod, meta["name"], meta["namespace"], pod
+        )
 
     async def delete_pod(self, namespace: str, name: str, grace_s: int | None = None) -> Obj:
         kwargs: dict[str, Any] = {} if grace_s is None else {"grace_period_seconds": grace_s}

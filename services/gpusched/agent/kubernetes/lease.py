@@ -102,7 +102,9 @@ class LeaderLease:
         while True:
             try:
                 if await self.try_acquire():
-                    log.info("leading as %s (lease %s/%s)", self.identity, self._namespace, self._name)
+                    log.info(
+                        "leading as %s (lease %s/%s)", self.identity, self._namespace, self._name
+                    )
                     return
             except Unavailable as exc:
                 log.warning("cannot reach the Kubernetes API for the lease: %s", exc)

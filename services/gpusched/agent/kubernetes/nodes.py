@@ -138,7 +138,10 @@ def _readiness(status: Mapping[str, Any]) -> tuple[bool, str]:
                 return True, ""
             reason = condition.get("reason") or "NotReady"
             message = condition.get("message") or ""
-            return False, f"Ready={condition.get('status')} ({reason}{': ' + message if message else ''})"
+            return (
+                False,
+                f"Ready={condition.get('status')} ({reason}{': ' + message if message else ''})",
+            )
     return False, "no Ready condition yet"
 
 
@@ -192,7 +195,9 @@ def reconcile(
         observed, known = cluster.get(name), admission.get(name)
         if known is None:
             if observed is not None and not observed.deleting:
-                actions.append(NodeAction(Action.ADD, name, "a GPU node of the cluster", observed.spec))
+                actions.append(
+                    NodeAction(Action.ADD, name, "a GPU node of the cluster", observed.spec)
+                )
             continue
         if observed is None or observed.deleting:
             gone = "deleted from the cluster"
@@ -224,9 +229,7 @@ def reconcile(
     return actions
 
 
-def known_from_wire(
-    name: str, pool: str, gpu_model: str, gpus: int, state: NodeState
-) -> KnownNode:
+def known_from_wire(name: str, pool: str, gpu_model: str, gpus: int, state: NodeState) -> KnownNode:
     return KnownNode({"name": name, "pool": pool, "gpu_model": gpu_model, "gpus": gpus}, state)
 
 

@@ -105,7 +105,9 @@ def read_pod(pod: Mapping[str, Any]) -> GpuschedPod:
     team = pod_labels.get(L.TEAM)
     if not team:
         raise PodRefused(f"pod {name}: label {L.TEAM} is missing: name the team that runs it")
-    priority = _enum(PriorityClassName, pod_labels.get(L.PRIORITY_CLASS, "p1-normal"), L.PRIORITY_CLASS, name)
+    priority = _enum(
+        PriorityClassName, pod_labels.get(L.PRIORITY_CLASS, "p1-normal"), L.PRIORITY_CLASS, name
+    )
     kind = _enum(JobKind, pod_labels.get(L.KIND, "training"), L.KIND, name)
     gang = pod_labels.get(L.GANG) or None
     gang_size = 1
@@ -118,7 +120,9 @@ def read_pod(pod: Mapping[str, Any]) -> GpuschedPod:
     if L.GPU_MILLI in notes:
         milli = _int(notes[L.GPU_MILLI], L.GPU_MILLI, name, low=1, high=999)
         if gpus != 1:
-            raise PodRefused(f"pod {name}: {L.GPU_MILLI} (a fraction) needs exactly 1 GPU, not {gpus}")
+            raise PodRefused(
+                f"pod {name}: {L.GPU_MILLI} (a fraction) needs exactly 1 GPU, not {gpus}"
+            )
     memory_gib = None
     if L.GPU_MEMORY_GIB in notes:
         memory_gib = _float(notes[L.GPU_MEMORY_GIB], L.GPU_MEMORY_GIB, name)
@@ -216,7 +220,7 @@ def _float(value: str, label: str, pod: str) -> float:
 
 def _flag(value: str, label: str, pod: str) -> bool:
     if value not in ("true", "false"):
-        raise PodRefused(f"pod {pod}: {label}={value!r} must be \"true\" or \"false\"")
+        raise PodRefused(f'pod {pod}: {label}={value!r} must be "true" or "false"')
     return value == "true"
 
 
@@ -341,7 +345,7 @@ def outcome(pod: Mapping[str, Any]) -> Outcome:
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated") or {}
         if terminated and terminated.get("exitCode", 0) != 0 and code is None:
-            code = int(terminated.get("exitCode"))
+            code = int(terminated["exitCode"])
             why = terminated.get("reason") or None
             if why == "OOMKilled":
                 return Outcome(
@@ -361,8 +365,10 @@ def outcome(pod: Mapping[str, Any]) -> Outcome:
     if cluster_reason is not None:
         message = status.get("message") or cluster_reason
         return Outcome(Progress.ENDED, StopReason.INTERRUPTED, code, f"{cluster_reason}: {message}")
-    detail = f"exit code {code}" + (f" ({why})" if why else "") if code is not None else (
-        status.get("message") or status.get("reason") or "pod failed"
+    detail = (
+        f"exit code {code}" + (f" ({why})" if why else "")
+        if code is not None
+        else (status.get("message") or status.get("reason") or "pod failed")
     )
     return Outcome(Progress.ENDED, StopReason.FAILED, code, detail)
 

@@ -71,9 +71,7 @@ def wired(pod: Mapping[str, Any], handle: str) -> dict[str, Any]:
         ) or any(c.get("name") == L.POD_GPU_CLAIM for c in resources.get("claims") or [])
         for part in ("limits", "requests"):
             if part in resources:
-                resources[part] = {
-                    k: v for k, v in resources[part].items() if k != L.GPU_RESOURCE
-                }
+                resources[part] = {k: v for k, v in resources[part].items() if k != L.GPU_RESOURCE}
         if had_gpus:
             resources["claims"] = [
                 c for c in resources.get("claims") or [] if c.get("name") != L.POD_GPU_CLAIM
@@ -99,7 +97,11 @@ def mutate(pod: Mapping[str, Any], handle: str) -> list[dict[str, Any]]:
     ops: list[dict[str, Any]] = [{"op": "replace", "path": "/spec", "value": out["spec"]}]
     if "annotations" in (pod.get("metadata") or {}):
         ops.append(
-            {"op": "replace", "path": "/metadata/annotations", "value": out["metadata"]["annotations"]}
+            {
+                "op": "replace",
+                "path": "/metadata/annotations",
+                "value": out["metadata"]["annotations"],
+            }
         )
     else:
         ops.append(

@@ -49,7 +49,7 @@ async def serve(
     port: int,
     cert_file: Path | None,
     key_file: Path | None,
-    host: str = "0.0.0.0",  # noqa: S104 - the API server calls it from outside the pod
+    host: str = "0.0.0.0",
 ) -> web.AppRunner:
     context = None
     if cert_file is not None and key_file is not None:

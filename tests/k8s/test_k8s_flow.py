@@ -1,0 +1,117 @@
+"""End to end on Kubernetes: kubectl-style pods through the real gpusched services.
+
+The Kubernetes agent runs as the stack's agent process and reaches the API stand-in
+only through kubernetes_asyncio and a kubeconfig; the stand-in calls the agent's
+webhook when a pod is created; the test plays kubectl, the kubelet (tests/support/
+kubelet.py, which runs each pod's SDK training loop) and a DCGM exporter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpusched.contracts.messages import T
+from tests.support.kubelet import training_pod
+from tests.support.waiting import eventually
+
+from .conftest import Cluster
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+async def _running(c: Cluster, job_id: str, attempt: int = 1) -> bool:
+    job = await c.job(job_id)
+    return bool(job.state == "running" and job.attempt >= attempt)
+
+
+async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_on_a_new_pod(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    # The agent made admission's inventory the cluster's: shared-01 added, gone-00 removed.
+    await eventually(
+        lambda: _async(
+            c.bus.of(T.INVENTORY_CHANGED, change="added")
+            and c.bus.of(T.INVENTORY_CHANGED, change="removed")
+        ),
+        within=60,
+    )
+    offline = training_pod(
+        "offline", team="e2e", priority="p2-offline", gpus=8, checkpoint_dir=c.checkpoints
+    )
+    normal = training_pod(
+        "normal", team="e2e", priority="p1-normal", gpus=8, checkpoint_dir=c.checkpoints
+    )
+    await c.kubectl.create_namespaced_pod("default", offline)
+    await c.kubectl.create_namespaced_pod("default", normal)
+    job = await c.job_of("offline")
+    other = await c.job_of("normal")
+    await eventually(lambda: _running(c, job), within=60)
+    await eventually(lambda: _running(c, other), within=60)
+    await eventually(lambda: _async(c.kubelet.of("offline") and c.kubelet.of("normal")), within=30)
+
+    # Bound through the Binding API to the node admission chose, with a Secret (not the
+    # pod spec) carrying the job's identity and credentials, and a claim naming exactly
+    # the GPUs admission chose.
+    view = await c.job(job)
+    pod = c.api.get("pods", "offline", "default")
+    assert pod is not None
+    assert pod["spec"]["nodeName"] == view.allocated[0].node
+    assert "NATS USER JWT" not in str(pod)  # the credentials are in the Secret only
+    [container] = c.kubelet.of("offline")
+    assert sorted(container.devices) == sorted(f"{g.node}/gpu-{g.index}" for g in view.allocated)
+    assert container.env["GPUSCHED_JOB_ID"] == job
+    await eventually(lambda: _async(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
+
+    # A watch expiry: the history is compacted and the watches cut; the agent lists again.
+    c.api.compact()
+    c.api.close_watches()
+
+    # The surge: inference at 95% on its 8 GPUs needs 3 more; the shared pool is full, so
+    # the p2 job is the victim, evicted through the Eviction API after its checkpoint.
+    c.inference_util = 0.95
+    [completed] = await eventually(
+        lambda: _async(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
+    )
+    assert completed["checkpoint"]["checkpoint_id"]
+    evictions = [
+        p for m, p in c.api.requests if m == "POST" and p.endswith("/pods/offline/eviction")
+    ]
+    assert evictions
+    [request] = c.bus.of(T.CHECKPOINT_REQUESTED, job_id=job)
+    confirmed = [i for i, d in c.bus.confirmations(job) if d["request_id"] == request["request_id"]]
+    evict_at = c.bus.index(T.EVICT_WORKLOAD, job_id=job)
+    assert confirmed and evict_at is not None and confirmed[0] < evict_at
+    [stopped] = c.bus.of(T.WORKLOAD_STOPPED, job_id=job, reason="evicted")
+    assert stopped["saga_id"] == completed["saga_id"]
+    await eventually(lambda: _async(c.api.get("pods", "offline", "default") is None), within=30)
+    assert not c.bus.of(T.CHECKPOINT_REQUESTED, job_id=other)
+
+    # The surge ends: the GPUs go back and the job is placed again, on a new pod made
+    # from its template, resumed from the checkpoint it confirmed.
+    c.inference_util = 0.1
+    await eventually(lambda: _running(c, job, attempt=2), within=90)
+    await eventually(
+        lambda: _async(
+            (c.api.get("pods", "offline-a2", "default") or {}).get("spec", {}).get("nodeName")
+        ),
+        within=30,
+    )
+    [resumed] = await eventually(lambda: _async(c.kubelet.of("offline-a2")), within=30)
+    assert resumed.env["GPUSCHED_RESUME_CHECKPOINT_ID"] == completed["checkpoint"]["checkpoint_id"]
+    assert resumed.resumed_from_step == completed["checkpoint"]["step"]
+    started = await eventually(
+        lambda: _async([d for d in c.bus.of(T.JOB_STARTED, job_id=job) if d.get("resumed_from")]),
+        within=30,
+    )
+    assert started[-1]["resumed_from"] == completed["checkpoint"]["checkpoint_id"]
+    # Its watches were answered 410 Gone after the compaction, and it listed again.
+    assert c.api.expired_watches >= 1
+    lists = [
+        p
+        for m, p in c.api.requests
+        if m == "GET" and p.startswith("/api/v1/pods?") and "watch=" not in p
+    ]
+    assert len(lists) >= 2
