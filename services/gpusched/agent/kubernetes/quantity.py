@@ -23,7 +23,7 @@ _SUFFIX = {
     "Pi": Decimal(2**50),
     "Ei": Decimal(2**60),
 }
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)((?:[eE][+-]?[0-9]+)|[numkMGTPE]i?|)$")
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)((?:[eE][+-]?[0-9]+)|[KMGTPE]i|[numkMGTPE]|)$")
 
 
 class QuantityError(ValueError):
