@@ -115,3 +115,87 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
         if m == "GET" and p.startswith("/api/v1/pods?") and "watch=" not in p
     ]
     assert len(lists) >= 2
+
+
+async def _node_change(c: Cluster, node: str, change: str) -> bool:
+    return bool(
+        [d for d in c.bus.of(T.INVENTORY_CHANGED, change=change) if d["node"]["name"] == node]
+    )
+
+
+async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    await eventually(lambda: _node_change(c, "shared-01", "added"), within=60)
+
+    # kubectl cordon / uncordon: drained and undrained in admission.
+    await c.kubectl.patch_node("shared-01", {"spec": {"unschedulable": True}})
+    await eventually(lambda: _node_change(c, "shared-01", "drained"), within=30)
+    await c.kubectl.patch_node("shared-01", {"spec": {"unschedulable": False}})
+    await eventually(lambda: _node_change(c, "shared-01", "undrained"), within=30)
+
+    # Two jobs fill the shared pool; a PodDisruptionBudget protects the p2 one.
+    for name, priority in (("guarded", "p2-offline"), ("other", "p1-normal")):
+        pod = training_pod(
+            name, team="e2e", priority=priority, gpus=8, checkpoint_dir=c.checkpoints
+        )
+        await c.kubectl.create_namespaced_pod("default", pod)
+    await c.policy.create_namespaced_pod_disruption_budget(
+        "default",
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "guarded"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
+        },
+    )
+    guarded, other = await c.job_of("guarded"), await c.job_of("other")
+    await eventually(lambda: _async(c.kubelet.of("guarded") and c.kubelet.of("other")), within=60)
+
+    # The surge picks the p2 job; the Eviction API refuses (429), the agent retries, then
+    # tells the saga, which handles it as the evict failure it knows; the pod runs on.
+    c.inference_util = 0.95
+    [failed] = await eventually(lambda: _async(c.bus.of(T.EVICT_FAILED, job_id=guarded)), within=90)
+    assert "disruption budget" in failed["error"]
+    refused = [p for m, p in c.api.requests if m == "POST" and p.endswith("/pods/guarded/eviction")]
+    assert len(refused) >= 2  # retried before giving up
+    pod = c.api.get("pods", "guarded", "default")
+    assert pod is not None and "deletionTimestamp" not in pod["metadata"]
+    c.inference_util = 0.1
+    running = [
+        a for a in {(await c.job(guarded)).allocation_id, (await c.job(other)).allocation_id} if a
+    ]
+
+    # kill -9 of the agent: the new one lists the cluster and says what runs; nothing
+    # that ran is interrupted.
+    readies = len(c.bus.of(T.AGENT_READY))
+    c.stack.kill("agent")
+    await eventually(lambda: _async(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
+    ready = c.bus.of(T.AGENT_READY)[-1]
+    guarded_alloc = (await c.job(guarded)).allocation_id
+    assert guarded_alloc in ready["running"]
+    assert set(ready["running"]) >= {a for a in running if a == guarded_alloc}
+    assert await c.state(guarded) == "running"
+
+    # The guarded pod's node goes NotReady: admission fails it and requeues its job.
+    node = c.api.get("pods", "guarded", "default")["spec"]["nodeName"]  # type: ignore[index]
+    c.kubelet.down.add(node)
+
+    def not_ready(obj: dict[str, Any]) -> None:
+        obj["status"]["conditions"] = [
+            {
+                "type": "Ready",
+                "status": "Unknown",
+                "reason": "NodeStatusUnknown",
+                "message": "Kubelet stopped posting node status.",
+            }
+        ]
+
+    c.api.mutate("nodes", node, "", not_ready)
+    await eventually(lambda: _node_change(c, node, "failed"), within=30)
+    await eventually(lambda: _async(c.bus.of(T.ALLOCATION_RELEASED, job_id=guarded)), within=30)
+
+    # Deleted from the cluster: removed from admission's inventory.
+    await c.kubectl.delete_node(node)
+    await eventually(lambda: _node_change(c, node, "removed"), within=30)
