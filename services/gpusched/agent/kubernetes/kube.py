@@ -34,6 +34,22 @@ Obj = dict[str, Any]
 REQUEST_TIMEOUT_S = 10.0
 
 
+# Every API call the agent makes, as (API group, resource) -> verbs. Its RBAC
+# (deploy/k8s/agent-kubernetes/rbac.yaml) grants exactly these; a test holds them equal.
+API_CALLS: dict[tuple[str, str], frozenset[str]] = {
+    ("", "nodes"): frozenset({"list", "watch", "patch"}),
+    ("", "pods"): frozenset({"get", "list", "watch", "create", "update", "delete"}),
+    ("", "pods/binding"): frozenset({"create"}),
+    ("", "pods/eviction"): frozenset({"create"}),
+    ("", "secrets"): frozenset({"get", "create", "update"}),
+    ("", "events"): frozenset({"create"}),
+    ("", "configmaps"): frozenset({"get", "create", "update"}),
+    ("resource.k8s.io", "resourceclaims"): frozenset({"get", "create", "delete"}),
+    ("resource.k8s.io", "resourceclaims/status"): frozenset({"update"}),
+    ("coordination.k8s.io", "leases"): frozenset({"get", "create", "update"}),
+}
+
+
 class KubeError(Exception):
     def __init__(self, code: int, reason: str, message: str, body: Obj | None = None) -> None:
         super().__init__(f"{code} {reason}: {message}")
@@ -188,9 +204,6 @@ class Kube:
         return await self._call(
             self.core.replace_namespaced_secret, meta["name"], meta["namespace"], secret
         )
-
-    async def delete_secret(self, namespace: str, name: str) -> Obj:
-        return await self._call(self.core.delete_namespaced_secret, name, namespace)
 
     async def create_claim(self, namespace: str, claim: Obj) -> Obj:
         return await self._call(self.resource.create_namespaced_resource_claim, namespace, claim)
