@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # workers, each with its own embedded NATS and PostgreSQL.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow lint typecheck bench up clean system-tools
+.PHONY: demo test test-slow lint typecheck bench up clean system-tools e2e-kind
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 # Debian's prometheus for the tests that query a real Prometheus (they skip without it).
+# The Kubernetes flow on a real API server (kind): needs Docker, kind and kubectl, and
+# the image (`docker build -t gpusched:dev .`). Not run by `make test` (docs/kubernetes.md).
+e2e-kind: $(STAMP)
+	deploy/kind/e2e.sh
+
 system-tools:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
