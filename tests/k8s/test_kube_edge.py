@@ -44,9 +44,9 @@ async def _async(value: Any) -> Any:
 async def test_a_stale_update_is_a_conflict_and_an_unknown_pod_not_found(
     api: tuple[KubeApiStandIn, Kube],
 ) -> None:
-    server, kube = api
-    created = await kube.create_pod("ml", training_pod("p", team="t", priority="p1-normal", gpus=1,
-                                                       checkpoint_dir=Path("/c")))  # fmt: skip
+    _, kube = api
+    pod = training_pod("p", team="t", priority="p1-normal", gpus=1, checkpoint_dir=Path("/c"))
+    created = await kube.create_pod("ml", pod)
     await kube.replace_pod(created)  # its version is current
     with pytest.raises(Conflict):
         await kube.replace_pod(created)  # now it is stale
@@ -101,8 +101,12 @@ async def test_the_informer_follows_changes_through_bookmarks_expiry_and_cut_wat
     server, kube = api
     server.put("nodes", gpu_node("n1", "shared"))
     seen: list[tuple[str, str]] = []
-    informer = Informer(kube, "nodes", lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
-                        watch_timeout_s=2)  # fmt: skip
+    informer = Informer(
+        kube,
+        "nodes",
+        lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
+        watch_timeout_s=2,
+    )
     task = asyncio.create_task(informer.run())
     try:
         await asyncio.wait_for(informer.synced.wait(), 10)
