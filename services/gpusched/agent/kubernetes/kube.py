@@ -67,8 +67,9 @@ class Conflict(KubeError):
     """409: a stale resourceVersion, an existing name, a pod already bound."""
 
 
-class TooManyRequests(KubeError):
-    """429: a PodDisruptionBudget refused an eviction, or the API's rate limit."""
+class TooManyRequests(KubeError, Unavailable):
+    """429: a PodDisruptionBudget refused an eviction, or the API's rate limit. Outside an
+    eviction (which retries it and reports it to the saga) it is an outage to wait out."""
 
     retry_after_s: float = 1.0
 
