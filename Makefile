@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # workers, each with its own embedded NATS and PostgreSQL.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow lint typecheck bench up clean system-tools e2e-kind
+.PHONY: demo test test-slow lint typecheck bench up clean system-tools test-tools e2e-kind
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy libs/gpusched services/gpusched
 
-test: $(STAMP) system-tools lint typecheck
+test: $(STAMP) system-tools test-tools lint typecheck
 	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 test-slow: $(STAMP)
@@ -38,12 +38,12 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
-# Debian's prometheus for the tests that query a real Prometheus (they skip without it).
 # The Kubernetes flow on a real API server (kind): needs Docker, kind and kubectl, and
 # the image (`docker build -t gpusched:dev .`). Not run by `make test` (docs/kubernetes.md).
 e2e-kind: $(STAMP)
 	deploy/kind/e2e.sh
 
+# Debian's prometheus for the tests that query a real Prometheus (they skip without it).
 system-tools:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -54,5 +54,15 @@ system-tools:
 	    echo "prometheus is not installed (apt-get install prometheus): the tests that need it will be skipped"; \
 	  fi; }
 
+# The npm AsyncAPI parser, for the test that validates docs/asyncapi.json with it (it
+# skips, saying why, without node/npm or without the registry).
+ASYNCAPI_TOOL := tests/tools/asyncapi
+test-tools:
+	@if [ -d $(ASYNCAPI_TOOL)/node_modules/@asyncapi/parser ]; then :; \
+	elif command -v npm >/dev/null 2>&1; then \
+	  npm ci --prefix $(ASYNCAPI_TOOL) --no-audit --no-fund --loglevel=error >/dev/null 2>&1 \
+	    || echo "could not install @asyncapi/parser: its test will be skipped"; \
+	else echo "npm is not installed: the AsyncAPI parser test will be skipped"; fi
+
 clean:
-	rm -rf $(VENV) .gpusched
+	rm -rf $(VENV) .gpusched $(ASYNCAPI_TOOL)/node_modules

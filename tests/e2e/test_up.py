@@ -123,7 +123,8 @@ def _get_answers_not_found(env: dict[str, str], within_s: float = 60) -> None:
     deadline = time.monotonic() + within_s
     while True:
         done = _gpusched("get", "job-000000000000", env=env)
-        if '"not_found"' in done.stdout:
+        # Admission answers: the job does not exist (one line on stderr, exit 1).
+        if "not_found" in done.stderr and done.returncode == 1:
             return
         assert time.monotonic() < deadline, (done.stdout, done.stderr)
         time.sleep(0.5)
@@ -271,28 +272,6 @@ async def test_a_stack_brings_back_a_killed_server_and_service_and_counts_the_re
         await asyncio.to_thread(stack.stop)
 
 
-def test_an_unexpected_error_is_one_line_unless_debug_is_asked_for(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from gpusched.cli import main as cli
-
-    def broken(_: object) -> int:
-        raise ValueError("the disk is full\nsecond line")
-
-    monkeypatch.setattr(cli, "_get", broken)
-    monkeypatch.delenv("GPUSCHED_DEBUG", raising=False)
-
-    assert cli.main(["get", "job-1"]) == 1
-    err = capsys.readouterr().err
-    assert err.splitlines() == [
-        "gpusched: unexpected error: ValueError: the disk is full "
-        "(run with --debug or GPUSCHED_DEBUG=1 for the traceback)"
-    ]
-
-    assert cli.main(["--debug", "get", "job-1"]) == 1
-    assert "Traceback (most recent call last)" in capsys.readouterr().err
-
-
 def test_the_cli_says_which_stack_file_it_cannot_read(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -329,24 +308,6 @@ def test_up_gives_up_on_a_crash_looping_service_in_one_line_and_exits_1(
     assert str(tmp_path / "logs" / "admission.log") in lines[0]
     assert "Traceback" not in done.stdout + done.stderr
     assert _stack_file(data_dir)["running"] is False
-
-
-def test_a_value_the_contract_refuses_is_one_line_naming_the_field(tmp_path: Path) -> None:
-    env = _clean_env(tmp_path / "nowhere")
-    for argv, line in [
-        (["--gpus", "0"], "gpusched: invalid count: Input should be greater than or equal to 1"),
-        (["--gpus", "1", "--milli", "2000"], "gpusched: invalid milli: "),
-        (["--gpus", "1", "--name", "a\x01b"], "gpusched: invalid name: control character U+0001"),
-    ]:
-        done = _gpusched("submit", "--name", "x", "--team", "t", *argv, env=env)
-        assert done.returncode == 2, done.stderr
-        assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(line), done.stderr
-    done = _gpusched(
-        "submit", "--name", "x", "--team", "t", "--gpus", "1", "--replicas", "5:2", env=env
-    )
-    assert done.returncode == 2
-    assert "replicas.min (5) must not exceed replicas.max (2)" in done.stderr
-    assert "pydantic" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_up_outside_the_repository_names_the_missing_file_and_starts_nothing(

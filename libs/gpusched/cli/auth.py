@@ -15,41 +15,24 @@ gpusched auth issue (--team T | --operator NAME | --node NODE) [--dir DIR]
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated
 
-from gpusched.cli.client import NotConfigured, stack_settings
-from gpusched.contracts.subjects import Subjects
-from gpusched.infra import natsauth
-from gpusched.infra.natsauth import AuthBundle, AuthError, Identity, node_user_name
-from gpusched.infra.settings import Settings
+import typer
 
+from gpusched.cli.errors import BadInput, NotConfigured
 
-def add_parsers(sub: Any) -> None:
-    auth = sub.add_parser("auth", help="NATS keys and credentials of this installation")
-    verbs = auth.add_subparsers(dest="auth_command", required=True)
+if TYPE_CHECKING:
+    from gpusched.infra.natsauth import AuthBundle
+    from gpusched.infra.settings import Settings
 
-    init = verbs.add_parser("init", help="make (or refresh) a credentials bundle in DIR")
-    init.add_argument("dir", type=Path)
-    init.add_argument("--prefix", help="the subject prefix (default: GPUSCHED_SUBJECT_PREFIX)")
-    init.add_argument("--force", action="store_true", help="new keys: every old credential dies")
-    init.set_defaults(run=_init)
-
-    issue = verbs.add_parser("issue", help="credentials for a team, an operator or a node")
-    who = issue.add_mutually_exclusive_group(required=True)
-    who.add_argument("--team")
-    who.add_argument("--operator")
-    who.add_argument("--node")
-    issue.add_argument("--dir", type=Path, help="the bundle (default: the stack's)")
-    issue.add_argument("--prefix", help="the subject prefix (nodes only)")
-    issue.add_argument("--ttl", type=float, help="seconds until the credentials expire")
-    issue.add_argument("--out", type=Path, help="write here (mode 0600) instead of stdout")
-    issue.set_defaults(run=_issue)
+app = typer.Typer(help="NATS keys and credentials of this installation.", no_args_is_help=True)
 
 
 def _bundle_dir(given: Path | None, settings: Settings) -> Path:
+    from gpusched.cli.client import stack_settings
+
     if given is not None:
         return given
     resolved = stack_settings(settings)
@@ -62,19 +45,32 @@ def _bundle_dir(given: Path | None, settings: Settings) -> Path:
 
 
 def _load(root: Path) -> AuthBundle:
+    from gpusched.infra.natsauth import AuthBundle, AuthError
+
     try:
         return AuthBundle.load(root)
     except AuthError as exc:
         raise NotConfigured(str(exc)) from None
 
 
-def _init(args: argparse.Namespace) -> int:
-    settings = Settings()
-    root: Path = args.dir
-    fresh = args.force or not (root / "keys" / "operator.nk").is_file()
-    bundle = AuthBundle.create(root) if fresh else _load(root)
+@app.command("init", help="Make (or refresh) a credentials bundle in DIR.")
+def init(
+    dir: Annotated[Path, typer.Argument(help="where the bundle goes")],
+    prefix: Annotated[
+        str | None, typer.Option(help="the subject prefix (default: GPUSCHED_SUBJECT_PREFIX)")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="new keys: every old credential dies")] = False,
+) -> int:
+    from gpusched.cli.session import load_settings
+    from gpusched.contracts.subjects import Subjects
+    from gpusched.infra import natsauth
+    from gpusched.infra.natsauth import AuthBundle
+
+    settings = load_settings()
+    fresh = force or not (dir / "keys" / "operator.nk").is_file()
+    bundle = AuthBundle.create(dir) if fresh else _load(dir)
     bundle.write_server_config()
-    written = natsauth.write_installation(bundle, Subjects(args.prefix or settings.subject_prefix))
+    written = natsauth.write_installation(bundle, Subjects(prefix or settings.subject_prefix))
     print(f"{'new keys' if fresh else 'keys kept'} in {bundle.keys_dir} (keep them secret)")
     print(f"nats-server fragment: {bundle.server_config} (include it from the server config)")
     for identity, path in sorted(written.items()):
@@ -84,24 +80,46 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _issue(args: argparse.Namespace) -> int:
-    settings = Settings()
-    bundle = _load(_bundle_dir(args.dir, settings))
+@app.command("issue", help="Credentials for one team or operator (the API), or one node.")
+def issue(
+    team: Annotated[str | None, typer.Option(help="a team's credentials")] = None,
+    operator: Annotated[str | None, typer.Option(help="an operator's credentials")] = None,
+    node: Annotated[str | None, typer.Option(help="a node's (its own telemetry only)")] = None,
+    dir: Annotated[Path | None, typer.Option(help="the bundle (default: the stack's)")] = None,
+    prefix: Annotated[str | None, typer.Option(help="the subject prefix (nodes only)")] = None,
+    ttl: Annotated[
+        float | None, typer.Option(help="seconds until the credentials expire", min=1)
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="write here (mode 0600) instead of stdout")
+    ] = None,
+) -> int:
+    from gpusched.cli.client import stack_settings
+    from gpusched.cli.session import load_settings
+    from gpusched.contracts.subjects import Subjects
+    from gpusched.infra import natsauth
+    from gpusched.infra.natsauth import AuthError, Identity, node_user_name
+
+    if sum(x is not None for x in (team, operator, node)) != 1:
+        raise BadInput("give exactly one of --team, --operator and --node")
+    settings = load_settings()
+    bundle = _load(_bundle_dir(dir, settings))
     try:
-        if args.node:
-            prefix = args.prefix or stack_settings(settings).subject_prefix
-            identity = Identity(node_user_name(prefix, args.node), ttl_s=args.ttl)
-            Subjects(prefix).telemetry_gpu(args.node)  # a node name that is a subject token
+        if node is not None:
+            node_prefix = prefix or stack_settings(settings).subject_prefix
+            identity = Identity(node_user_name(node_prefix, node), ttl_s=ttl)
+            Subjects(node_prefix).telemetry_gpu(node)  # a node name that is a subject token
             creds = bundle.node_credentials_issuer().creds(identity)
-        elif args.team:
-            creds = natsauth.issue_client(bundle, "team", args.team, ttl_s=args.ttl)
+        elif team is not None:
+            creds = natsauth.issue_client(bundle, "team", team, ttl_s=ttl)
         else:
-            creds = natsauth.issue_client(bundle, "operator", args.operator, ttl_s=args.ttl)
+            assert operator is not None
+            creds = natsauth.issue_client(bundle, "operator", operator, ttl_s=ttl)
     except (AuthError, ValueError) as exc:
         raise NotConfigured(str(exc)) from None
-    if args.out is None:
+    if out is None:
         sys.stdout.write(creds)
     else:
-        natsauth.write_secret(args.out, creds)
-        print(f"wrote {args.out}")
+        natsauth.write_secret(out, creds)
+        print(f"wrote {out}")
     return 0

@@ -6,40 +6,39 @@ the cluster agent reports its workloads stopped. A finished job answers `conflic
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Annotated
 
-from gpusched.cli.client import ApiClient
-from gpusched.contracts.messages import CancelJob, CancelReply
-from gpusched.infra.settings import Settings
+import typer
 
+from gpusched.cli import output
+from gpusched.cli.output import Format
+from gpusched.cli.session import check, with_api
 
-def add_parsers(sub: Any) -> None:
-    cancel = sub.add_parser("cancel", help="end a job (queued, held, parked or running)")
-    cancel.add_argument("job_id")
-    cancel.add_argument("--reason", default="", help="why, for the audit record")
-    cancel.add_argument("--operator", default=os.environ.get("USER") or "operator")
-    cancel.set_defaults(run=_cancel)
+if TYPE_CHECKING:
+    from gpusched.cli.client import ApiClient
 
 
-def _cancel(args: argparse.Namespace) -> int:
-    settings = Settings()
+def register(app: typer.Typer) -> None:
+    app.command("cancel", help="End a job: queued, held, parked or running.")(cancel)
 
-    async def go() -> int:
-        async with ApiClient.for_stack(settings) as api:
-            body = CancelJob(job_id=args.job_id, operator=args.operator, reason=args.reason)
-            reply = CancelReply.model_validate_json(
-                await api.request(api.subjects.api_jobs_cancel, body.model_dump_json().encode())
-            )
-        if reply.ok:
-            print(f"job {reply.job_id} {reply.state}")
-            return 0
-        error = reply.error
-        print(f"gpusched: {error.message if error else 'refused'}", file=sys.stderr)
-        return 1
 
-    # A CliError (unreachable, no answer) reaches main() and is printed as one line.
-    return asyncio.run(go())
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="the job id")],
+    reason: Annotated[str, typer.Option(help="why, for the audit record")] = "",
+    operator: Annotated[
+        str, typer.Option(help="who cancels (an operator credential's name wins)")
+    ] = os.environ.get("USER") or "operator",
+    fmt: Annotated[Format, typer.Option("-o", "--output")] = Format.TABLE,
+) -> int:
+    from gpusched.contracts.messages import CancelJob, CancelReply
+
+    body = CancelJob(job_id=job_id, operator=operator, reason=reason)
+
+    async def go(api: ApiClient) -> int:
+        reply = await api.ask(api.subjects.api_jobs_cancel, body, CancelReply)
+        check(reply)
+        output.emit(reply, fmt, lambda out: out.print(f"{reply.job_id} {reply.state}"))
+        return 0
+
+    return with_api(go)

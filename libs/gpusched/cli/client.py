@@ -12,13 +12,24 @@ import contextlib
 import json
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
+from pydantic import BaseModel
 
+from gpusched.cli.errors import (
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    ApiError,
+    CliError,
+    NoAnswer,
+    NotConfigured,
+    Unreachable,
+)
 from gpusched.cli.stackfile import StackFileError, read_stack_file, stack_file_path
 from gpusched.contracts.messages import GetJob, GetReply, SubmitJob, SubmitReply
 from gpusched.contracts.subjects import Subjects
@@ -28,39 +39,7 @@ from gpusched.infra.settings import Settings
 from gpusched.infra.tls import nats_context, server_name
 
 CONNECT_TIMEOUT_S = 2.0
-# The exit codes of the CLI: 2 for what the caller must fix (no URL known), 3 when the
-# stack cannot be reached or does not answer.
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-
-
-class CliError(RuntimeError):
-    """A failure the CLI reports as one line and an exit code; no traceback."""
-
-    exit_code = 1
-
-
-class ApiError(CliError):
-    pass
-
-
-class NoAnswer(ApiError):
-    """Nobody answered a request in time (the stack is down or overloaded)."""
-
-    exit_code = EXIT_UNREACHABLE
-
-
-class Unreachable(CliError):
-    exit_code = EXIT_UNREACHABLE
-
-    def __init__(self, server: str, url: str, reason: str, hint: str) -> None:
-        super().__init__(f"cannot reach {server} at {url} ({reason}). {hint}")
-        self.server = server
-        self.url = url
-
-
-class NotConfigured(CliError):
-    exit_code = EXIT_USAGE
+R = TypeVar("R", bound=BaseModel)
 
 
 def stack_settings(settings: Settings | None = None) -> Settings:
@@ -148,17 +127,24 @@ async def connect_nats(
     hint: str = NATS_HINT,
     credentials: Path | None = None,
     tls: ssl.SSLContext | None = None,
+    on_closed: Callable[[], None] | None = None,
 ) -> NatsClient:
     """Connect once, bounded by `timeout_s`; Unreachable (one line) if that fails
     (a certificate refused either way included). `tls`: see infra.tls.
 
     The connection does reconnect later if it drops (a short outage of the server), but
     the first connect is never retried: a wrong URL must fail now, not in minutes.
+    `on_closed` is called once the client gave up on a dropped connection (the stack
+    stopped): a long-lived reader ends then, in words, instead of waiting forever.
     """
     errors: list[BaseException] = []
 
     async def note(exc: Exception) -> None:
         errors.append(exc)
+
+    async def closed() -> None:
+        if on_closed is not None:
+            on_closed()
 
     nc = NatsClient()
     try:
@@ -172,6 +158,7 @@ async def connect_nats(
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0,
                 error_cb=note,
+                closed_cb=closed,
                 **natsauth.connect_options(credentials),  # type: ignore[arg-type]
                 tls=tls,
                 tls_hostname=server_name(tls),
@@ -304,6 +291,12 @@ class ApiClient:
             ) from exc
         return bytes(msg.data)
 
+    async def ask(self, subject: str, request: BaseModel, reply: type[R]) -> R:
+        """One request of a typed model, its typed reply."""
+        return reply.model_validate_json(
+            await self.request(subject, request.model_dump_json().encode())
+        )
+
     async def wait_until_serving(self, within_s: float = 60.0) -> None:
         """Wait until admission answers (services start in parallel after `up`)."""
         deadline = asyncio.get_running_loop().time() + within_s
@@ -338,6 +331,8 @@ class ApiClient:
 
 
 __all__ = [
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
     "ApiClient",
     "ApiError",
     "CliError",

@@ -27,7 +27,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from gpusched.cli.client import ApiClient, stack_identity
+from gpusched.cli.client import ApiClient, ApiError, stack_identity
 from gpusched.cli.stack import Stack
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import (
@@ -180,16 +180,28 @@ class Timeline:
         return None
 
 
+# While the demo waits on the system, it says so this often: never a silent minute.
+PROGRESS_EVERY_S = 5.0
+
+
 async def _until(
-    what: str, check: Callable[[], Awaitable[bool]] | Callable[[], bool], within: float
+    what: str,
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    within: float,
+    tl: Timeline | None = None,
 ) -> None:
-    deadline = time.monotonic() + within
+    started = time.monotonic()
+    deadline = started + within
+    next_word = started + PROGRESS_EVERY_S
     while time.monotonic() < deadline:
         result = check()
         if asyncio.iscoroutine(result):
             result = await result
         if result:
             return
+        if tl is not None and time.monotonic() >= next_word:
+            tl.say(f"demo       still waiting for {what} ({time.monotonic() - started:.0f}s)")
+            next_word += PROGRESS_EVERY_S
         await asyncio.sleep(0.2)
     raise DemoFailed(f"timed out after {within:.0f}s waiting for: {what}")
 
@@ -222,10 +234,20 @@ async def scenario(settings: Settings, timeline: Timeline) -> None:
             credentials=settings.nats_credentials,
             tls=nats_tls,
         ) as api:
-            await api.wait_until_serving()
+            timeline.say("demo       waiting for the services to answer (migrations, consumers)")
+            await _until("admission to answer", lambda: _serving(api), 90, timeline)
+            timeline.say("demo       the services answer")
             await _play(api, nc, subjects, timeline)
     finally:
         await nc.close()
+
+
+async def _serving(api: ApiClient) -> bool:
+    try:
+        await api.get("job-000000000000")
+    except ApiError:
+        return False
+    return True
 
 
 async def _play(api: ApiClient, nc: NatsClient, subjects: Subjects, tl: Timeline) -> None:
@@ -256,7 +278,7 @@ async def _play(api: ApiClient, nc: NatsClient, subjects: Subjects, tl: Timeline
     async def all_running() -> bool:
         return all([(await view(j)).state == "running" for j in ids.values()])
 
-    await _until("every training job running", all_running, 30)
+    await _until("every training job to run", all_running, 30, tl)
 
     tl.heading("2. Steady inference load: 12 GPUs of demand on the 24-GPU inference pool")
     await _set_demand(nc, subjects, 12.0)
@@ -269,6 +291,7 @@ async def _play(api: ApiClient, nc: NatsClient, subjects: Subjects, tl: Timeline
         "the surge to be absorbed (eviction completed)",
         lambda: tl.count(T.EVICTION_COMPLETED, job_id=victim) > 0,
         60,
+        tl,
     )
     [request] = [d for _, t, d in tl.seen if t == T.CHECKPOINT_REQUESTED and d["job_id"] == victim]
     stage = request["stage_required"]
@@ -295,13 +318,13 @@ async def _play(api: ApiClient, nc: NatsClient, subjects: Subjects, tl: Timeline
 
     tl.heading("4. The surge ends: demand falls to 4 GPUs")
     await _set_demand(nc, subjects, 4.0)
-    await _until("GPUs returned to the shared pool", lambda: tl.count(T.GPUS_RETURNED) > 0, 60)
+    await _until("GPUs returned to the shared pool", lambda: tl.count(T.GPUS_RETURNED) > 0, 60, tl)
 
     async def resumed() -> bool:
         job = await view(victim)
         return job.state == "running" and job.attempt >= 2 and job.resume_from is not None
 
-    await _until("sweep-lr to resume from its checkpoint", resumed, 30)
+    await _until("sweep-lr to resume from its checkpoint", resumed, 30, tl)
     await _until(
         "sweep-lr to announce the resume",
         lambda: any(
@@ -309,6 +332,7 @@ async def _play(api: ApiClient, nc: NatsClient, subjects: Subjects, tl: Timeline
             for _, t, d in tl.seen
         ),
         30,
+        tl,
     )
     job = await view(victim)
     assert job.resume_from is not None

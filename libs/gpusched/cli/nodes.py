@@ -2,168 +2,188 @@
 
 Each command is one request to admission (`<p>.api.nodes.<verb>`); `fail`/`recover`
 with `--via-agent` instead tell the simulated cluster that the node broke (or was
-fixed), and the agent reports the node's health as a real one would.
+fixed), and the agent reports the node's health as a real one would. A change prints
+admission's reply (JSON by default, as scripts read it); `list` is a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import yaml
+import typer
 
-from gpusched.cli.client import (
-    ApiClient,
-    connect_nats,
-    require_nats_url,
-    stack_identity,
-    stack_settings,
-)
-from gpusched.contracts.envelope import make_envelope
-from gpusched.contracts.messages import (
-    AddNode,
-    ListNodes,
-    NodeCommand,
-    NodeReply,
-    NodeVerb,
-    ReloadInventory,
-    Wire,
-)
-from gpusched.contracts.subjects import Subjects
-from gpusched.infra import natsauth
-from gpusched.infra.settings import Settings
-from gpusched.simcluster.faults import SIM_NODE_HEALTH, SetNodeHealth
+from gpusched.cli import output
+from gpusched.cli.errors import BadInput
+from gpusched.cli.output import Format
+from gpusched.cli.session import check, load_settings, with_api
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from gpusched.cli.client import ApiClient
+    from gpusched.contracts.messages import NodeReply, Wire
+
+app = typer.Typer(help="Add, drain, fail, recover, remove or list GPU nodes.", no_args_is_help=True)
+
+Operator = Annotated[str, typer.Option(help="who asks (an operator credential's name wins)")]
+Reason = Annotated[str, typer.Option(help="why, for the audit record")]
+NodeName = Annotated[str, typer.Argument(help="the node's name")]
+Output = Annotated[Format, typer.Option("-o", "--output")]
 _OPERATOR = os.environ.get("USER") or "operator"
+# The options of `node add`, by the inventory entry's field they set.
+SPEC_FIELDS = (
+    "name",
+    "pool",
+    "gpu_model",
+    "gpus",
+    "cpu_milli",
+    "memory_mib",
+    "gpu_memory_mib",
+    "disk_gib",
+)
 
 
-def add_parsers(sub: Any) -> None:
-    """Register `gpusched node ...` on the top-level subparsers."""
-    node = sub.add_parser("node", help="add, drain, fail, recover, remove or list GPU nodes")
-    verbs = node.add_subparsers(dest="verb", required=True)
+@app.command("add", help="Add a node (one inventory entry: a file, options, or both).")
+def add(
+    file: Annotated[
+        Path | None, typer.Option(help="a YAML file holding one inventory entry")
+    ] = None,
+    name: Annotated[str | None, typer.Option()] = None,
+    pool: Annotated[str | None, typer.Option(help="inference, shared or training")] = None,
+    gpu_model: Annotated[str | None, typer.Option()] = None,
+    gpus: Annotated[int | None, typer.Option()] = None,
+    cpu_milli: Annotated[int | None, typer.Option()] = None,
+    memory_mib: Annotated[int | None, typer.Option()] = None,
+    gpu_memory_mib: Annotated[int | None, typer.Option()] = None,
+    disk_gib: Annotated[int | None, typer.Option()] = None,
+    operator: Operator = _OPERATOR,
+    reason: Reason = "",
+    fmt: Output = Format.JSON,
+) -> int:
+    from gpusched.contracts.messages import AddNode, NodeVerb
 
-    add = verbs.add_parser("add", help="add a node (inventory YAML shape)")
-    add.add_argument("--file", type=Path, help="a YAML file holding one inventory entry")
-    add.add_argument("--name")
-    add.add_argument("--pool", choices=["inference", "shared", "training"])
-    add.add_argument("--gpu-model")
-    add.add_argument("--gpus", type=int)
-    add.add_argument("--cpu-milli", type=int)
-    add.add_argument("--memory-mib", type=int)
-    add.add_argument("--gpu-memory-mib", type=int)
-    add.add_argument("--disk-gib", type=int)
-    _who(add)
-    add.set_defaults(run=_add)
-
-    reload = verbs.add_parser("reload", help="add the nodes the inventory file gained")
-    _who(reload)
-    reload.set_defaults(run=_reload)
-
-    for verb, text in (
-        (NodeVerb.DRAIN, "no new placements; what runs there runs to its end"),
-        (NodeVerb.UNDRAIN, "take placements again"),
-        (NodeVerb.FAIL, "end everything on it (training requeued from its checkpoint)"),
-        (NodeVerb.RECOVER, "bring a failed node back"),
-        (NodeVerb.REMOVE, "take an empty node out of the inventory"),
-    ):
-        parser = verbs.add_parser(verb.value, help=text)
-        parser.add_argument("node")
-        _who(parser)
-        if verb in (NodeVerb.FAIL, NodeVerb.RECOVER):
-            parser.add_argument(
-                "--via-agent",
-                action="store_true",
-                help="tell the simulated cluster instead; its agent reports the node's health",
-            )
-        parser.set_defaults(run=_command, node_verb=verb)
-
-    listing = verbs.add_parser("list", help="every node, its state and allocations")
-    listing.set_defaults(run=_list)
-
-
-def _who(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--operator", default=_OPERATOR)
-    parser.add_argument("--reason", default="")
-
-
-def _add(args: argparse.Namespace) -> int:
     spec: dict[str, Any] = {}
-    if args.file is not None:
-        loaded = yaml.safe_load(args.file.read_text(encoding="utf-8"))
+    if file is not None:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise BadInput(f"cannot read {file}: {exc}") from None
         if not isinstance(loaded, dict):
-            print(f"error: {args.file} must hold one inventory entry (a mapping)", file=sys.stderr)
-            return 2
+            raise BadInput(f"{file} must hold one inventory entry (a mapping)")
         spec.update(loaded)
-    for field in (
-        "name",
-        "pool",
-        "gpu_model",
-        "gpus",
-        "cpu_milli",
-        "memory_mib",
-        "gpu_memory_mib",
-        "disk_gib",
-    ):
-        value = getattr(args, field)
-        if value is not None:
-            spec[field] = value
-    request = AddNode(spec=spec, operator=args.operator, reason=args.reason)
-    return _ask(NodeVerb.ADD, request)
+    given = dict(
+        zip(
+            SPEC_FIELDS,
+            (name, pool, gpu_model, gpus, cpu_milli, memory_mib, gpu_memory_mib, disk_gib),
+            strict=True,
+        )
+    )
+    spec.update({k: v for k, v in given.items() if v is not None})
+    return _ask(NodeVerb.ADD, AddNode(spec=spec, operator=operator, reason=reason), fmt)
 
 
-def _reload(args: argparse.Namespace) -> int:
-    return _ask(NodeVerb.RELOAD, ReloadInventory(operator=args.operator, reason=args.reason))
+@app.command("reload", help="Add the nodes the inventory file gained.")
+def reload(operator: Operator = _OPERATOR, reason: Reason = "", fmt: Output = Format.JSON) -> int:
+    from gpusched.contracts.messages import NodeVerb, ReloadInventory
+
+    return _ask(NodeVerb.RELOAD, ReloadInventory(operator=operator, reason=reason), fmt)
 
 
-def _command(args: argparse.Namespace) -> int:
-    verb: NodeVerb = args.node_verb
-    if getattr(args, "via_agent", False):
-        return _tell_agent(args.node, healthy=verb is NodeVerb.RECOVER, reason=args.reason)
-    return _ask(verb, NodeCommand(node=args.node, operator=args.operator, reason=args.reason))
+def _lifecycle(verb: str, text: str, *, via_agent: bool = False) -> None:
+    def command(
+        node: NodeName,
+        operator: Operator = _OPERATOR,
+        reason: Reason = "",
+        fmt: Output = Format.JSON,
+    ) -> int:
+        from gpusched.contracts.messages import NodeCommand, NodeVerb
+
+        return _ask(NodeVerb(verb), NodeCommand(node=node, operator=operator, reason=reason), fmt)
+
+    def command_or_agent(
+        node: NodeName,
+        operator: Operator = _OPERATOR,
+        reason: Reason = "",
+        agent: Annotated[
+            bool,
+            typer.Option(
+                "--via-agent",
+                help="tell the simulated cluster; its agent reports the node's health",
+            ),
+        ] = False,
+        fmt: Output = Format.JSON,
+    ) -> int:
+        if agent:
+            return _tell_agent(node, healthy=verb == "recover", reason=reason)
+        return command(node, operator, reason, fmt)
+
+    app.command(verb, help=text)(command_or_agent if via_agent else command)
 
 
-def _list(_: argparse.Namespace) -> int:
-    return _ask(NodeVerb.LIST, ListNodes(), table=True)
+_lifecycle("drain", "No new placements; what runs there runs to its end.")
+_lifecycle("undrain", "Take placements again.")
+_lifecycle("fail", "End everything on it (training requeued from its checkpoint).", via_agent=True)
+_lifecycle("recover", "Bring a failed node back.", via_agent=True)
+_lifecycle("remove", "Take an empty node out of the inventory.")
 
 
-def _ask(verb: NodeVerb, request: Wire, *, table: bool = False) -> int:
-    settings = Settings()
+@app.command("list", help="Every node, its state and allocations.")
+def list_nodes(fmt: Output = Format.TABLE) -> int:
+    from gpusched.contracts.messages import ListNodes, NodeVerb
 
-    async def go() -> int:
-        async with ApiClient.for_stack(settings) as api:
-            body = request.model_dump_json().encode()
-            raw = await api.request(api.subjects.api_nodes(verb), body)
-        reply = NodeReply.model_validate_json(raw)
-        if table and reply.ok:
-            print(
-                f"{'NODE':<20} {'POOL':<10} {'GPUS':>4} {'MODEL':<12} {'STATE':<8} {'CPUS':>5} "
-                f"{'MEM_GIB':>7} {'DISK_GIB':>8} ALLOCATIONS"
-            )
-            for n in reply.nodes:
-                print(
-                    f"{n.name:<20} {n.pool:<10} {n.gpus:>4} {n.gpu_model:<12} {n.state:<8} "
-                    f"{n.cpu_milli // 1000:>5} {n.memory_mib // 1024:>7} {n.disk_gib or '-':>8} "
-                    f"{', '.join(n.allocations) or '-'}"
-                )
-        else:
-            print(reply.model_dump_json(indent=2, exclude_none=True))
-        return 0 if reply.ok else 1
+    return _ask(NodeVerb.LIST, ListNodes(), fmt)
 
-    return _run(go)
+
+def _ask(verb: Any, request: Wire, fmt: Format) -> int:
+    from gpusched.contracts.messages import NodeReply
+
+    async def go(api: ApiClient) -> int:
+        reply = await api.ask(api.subjects.api_nodes(verb), request, NodeReply)
+        check(reply)
+        output.emit(reply, fmt, lambda out: _render(out, reply))
+        return 0
+
+    return with_api(go)
+
+
+def _render(out: Console, reply: NodeReply) -> None:
+    grid = output.table(
+        "NODE", "POOL", "GPUS", "MODEL", "STATE", "CPUS", "MEM_GIB", "DISK_GIB", "ALLOCATIONS"
+    )
+    for n in reply.nodes:
+        grid.add_row(
+            n.name,
+            n.pool,
+            str(n.gpus),
+            n.gpu_model,
+            n.state,
+            str(n.cpu_milli // 1000),
+            str(n.memory_mib // 1024),
+            str(n.disk_gib or "-"),
+            ", ".join(n.allocations) or "-",
+        )
+    out.print(grid)
+    for note in reply.notes:
+        out.print(f"note: {note}", markup=False)
 
 
 def _tell_agent(node: str, *, healthy: bool, reason: str) -> int:
-    settings = Settings()
+    from gpusched.cli.client import connect_nats, require_nats_url, stack_identity, stack_settings
+    from gpusched.contracts.envelope import make_envelope
+    from gpusched.contracts.subjects import Subjects
+    from gpusched.infra import natsauth
+    from gpusched.simcluster.faults import SIM_NODE_HEALTH, SetNodeHealth
 
-    async def go() -> int:
+    resolved = stack_settings(load_settings())
+
+    async def go() -> None:
         # The simulated cluster's driver, not the operator's API identity: only it may
         # send the simulator its commands.
-        resolved = stack_settings(settings)
         nc = await connect_nats(
             require_nats_url(resolved),
             "gpusched-simulator",
@@ -173,15 +193,10 @@ def _tell_agent(node: str, *, healthy: bool, reason: str) -> int:
             command = SetNodeHealth(node=node, healthy=healthy, reason=reason)
             envelope = make_envelope(SIM_NODE_HEALTH, command, source="cli")
             subject = Subjects(resolved.subject_prefix).command("agent", SIM_NODE_HEALTH)
-            await nc.jetstream().publish(subject, envelope.to_bytes())
+            await asyncio.wait_for(nc.jetstream().publish(subject, envelope.to_bytes()), 10)
         finally:
             await nc.close()
-        print(f"told the simulated cluster that {node} is {'healthy' if healthy else 'down'}")
-        return 0
 
-    return _run(go)
-
-
-def _run(go: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run one command's coroutine; its CliError reaches main() as one line."""
-    return asyncio.run(go())
+    asyncio.run(go())
+    print(f"told the simulated cluster that {node} is {'healthy' if healthy else 'down'}")
+    return 0

@@ -2,48 +2,64 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import ValidationError
+import typer
 
-from gpusched.cli.client import ApiClient
-from gpusched.contracts.messages import Replicas, ScaleJob, ScaleReply
-from gpusched.contracts.validation import first_error
-from gpusched.infra.settings import Settings
+from gpusched.cli import output
+from gpusched.cli.errors import BadInput
+from gpusched.cli.output import Format
+from gpusched.cli.session import check, with_api
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from gpusched.cli.client import ApiClient
+    from gpusched.contracts.messages import Replicas
 
 
-def add_parsers(sub: Any) -> None:
-    scale = sub.add_parser("scale", help="set an inference service's replica target")
-    scale.add_argument("job_id")
-    scale.add_argument("replicas", type=int)
-    scale.set_defaults(run=_scale)
+def register(app: typer.Typer) -> None:
+    app.command("scale", help="Set an inference service's replica target.")(scale)
 
 
 def parse_range(text: str) -> Replicas:
     """`--replicas 2` (exactly 2) or `--replicas 2:5` (min 2, max 5)."""
+    from pydantic import ValidationError
+
+    from gpusched.contracts.messages import Replicas
+    from gpusched.contracts.validation import first_error
+
     low, _, high = text.partition(":")
     try:
         return Replicas(min=int(low), max=int(high or low))
     except ValidationError as exc:
         _, message = first_error(exc)
-        raise argparse.ArgumentTypeError(f"replicas {text!r}: {message}") from None
+        raise BadInput(f"invalid replicas {text!r} (--replicas): {message}") from None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"replicas {text!r}: use N or MIN:MAX") from None
+        raise BadInput(f"invalid replicas {text!r} (--replicas): use N or MIN:MAX") from None
 
 
-def _scale(args: argparse.Namespace) -> int:
-    settings = Settings()
+def scale(
+    job_id: Annotated[str, typer.Argument(help="the inference service's job id")],
+    replicas: Annotated[int, typer.Argument(help="the new replica target", min=0, max=1024)],
+    fmt: Annotated[Format, typer.Option("-o", "--output")] = Format.TABLE,
+) -> int:
+    from gpusched.contracts.messages import ScaleJob, ScaleReply
 
-    async def go() -> int:
-        async with ApiClient.for_stack(settings) as api:
-            body = ScaleJob(job_id=args.job_id, replicas=args.replicas).model_dump_json().encode()
-            reply = ScaleReply.model_validate_json(
-                await api.request(api.subjects.api_jobs_scale, body)
+    body = ScaleJob(job_id=job_id, replicas=replicas)
+
+    async def go(api: ApiClient) -> int:
+        reply = await api.ask(api.subjects.api_jobs_scale, body, ScaleReply)
+        check(reply)
+
+        def render(out: Console) -> None:
+            r = reply.replicas
+            assert r is not None
+            out.print(
+                f"{job_id}: target {r.target} replicas in [{r.min}, {r.max}], {r.placed} placed"
             )
-        print(reply.model_dump_json(indent=2, exclude_none=True))
-        return 0 if reply.ok else 1
 
-    # A CliError (unreachable, no answer) reaches main() and is printed as one line.
-    return asyncio.run(go())
+        output.emit(reply, fmt, render)
+        return 0
+
+    return with_api(go)

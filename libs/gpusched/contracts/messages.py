@@ -413,6 +413,63 @@ class WhyReply(Public):
     error: ApiError | None = None
 
 
+class JobStateName(StrEnum):
+    """The states a job is in, as `get` and `list` show them (admission's JobState)."""
+
+    HELD = "held"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PARKED = "parked"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class ListJobs(Public):
+    """Jobs, newest first, a page at a time. A team sees its own jobs only: `team` is
+    then its own (or left out); an operator may name any team, or none for all."""
+
+    team: Team | None = None
+    states: list[JobStateName] = Field(default_factory=list, max_length=len(JobStateName))
+    priority_class: PriorityClassName | None = None
+    kind: JobKind | None = None
+    limit: Annotated[int, Strict(), Field(ge=1, le=500)] = 50
+    # The last job id of the previous page (its `next`): the page starts after it.
+    after: Id | None = None
+
+    @field_validator("team")
+    @classmethod
+    def _team_is_token(cls, v: str | None) -> str | None:
+        return None if v is None else check_token(v, "team")
+
+
+class JobSummary(Wire):
+    """One row of `list`: what the job table holds, without its allocation's GPUs."""
+
+    job_id: str
+    name: str
+    team: str
+    kind: str
+    priority_class: str
+    state: str
+    attempt: int
+    gpus: int
+    milli: int | None = None
+    model: str | None = None
+    submitted_at: datetime
+    allocation_id: str | None = None
+
+
+class ListReply(Public):
+    ok: bool
+    jobs: list[JobSummary] = Field(default_factory=list)
+    # The `after` of the next page; None on the last page.
+    next: str | None = None
+    error: ApiError | None = None
+
+
 # ======================================================================================
 # Internal: ingest -> everyone
 # ======================================================================================

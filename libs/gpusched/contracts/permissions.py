@@ -86,6 +86,8 @@ def grants() -> dict[str, ServiceGrant]:
             consumers=(
                 c("COMMANDS", "checkpoint-commands"),
                 c("JOBS", "checkpoint-job-events"),
+                # The grants: each job's priority class and team.
+                c("EVENTS", "checkpoint-admission-events"),
                 c("EVENTS", "checkpoint-agent-events"),
             ),
             serves=("api.checkpoints.>", "api.sagas.>"),

@@ -124,6 +124,10 @@ class Subjects:
     def api_jobs_scale(self) -> str:
         return f"{self.prefix}.api.jobs.scale"
 
+    @property
+    def api_jobs_list(self) -> str:
+        return f"{self.prefix}.api.jobs.list"
+
     def api_nodes(self, verb: str) -> str:
         """The operator's node requests, e.g. `<p>.api.nodes.drain` (NodeVerb)."""
         return f"{self.prefix}.api.nodes.{check_token(verb, 'node verb')}"

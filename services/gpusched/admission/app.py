@@ -33,7 +33,7 @@ from .catalog import Catalog
 from .commands import LedgerCommands
 from .credentials import JobCredentials
 from .handlers import load_inventory_once
-from .jobs import JobsApi
+from .jobs import JobListing, JobsApi
 from .keeper import LedgerKeeper
 from .mig import MigDeadlines, MigModes
 from .nodes import NodeOps
@@ -152,6 +152,7 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
     rt.serve(s.api_jobs_get, jobs.get)
     rt.serve(s.api_jobs_approve, jobs.approve)
     rt.serve(s.api_jobs_why, jobs.why)
+    rt.serve(s.api_jobs_list, JobListing(rt.uow))
     rt.serve(s.api_jobs_scale, ReplicaOps(rt.uow, keeper, scheduler.kick, clock).scale)
     rt.serve(s.api_jobs_cancel, CancelOps(rt.uow, keeper, scheduler.kick, clock).cancel)
     for verb, endpoint in {

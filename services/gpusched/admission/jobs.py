@@ -1,4 +1,4 @@
-"""The jobs API (request/reply): submit, get, approve and why.
+"""The jobs API (request/reply): submit, get, approve, why and list.
 
 A submit is validated against the static catalogue and queued through the intake's
 group commit; it never waits for a scheduling pass (the pass runs in its own loop and
@@ -24,7 +24,10 @@ from gpusched.contracts.messages import (
     GpuRef,
     GpuRequest,
     JobKind,
+    JobSummary,
     JobView,
+    ListJobs,
+    ListReply,
     PriorityClassName,
     ReservationView,
     SubmitJob,
@@ -405,3 +408,64 @@ def _unreadable_words(row: Any, exc: store.UnreadableJob) -> list[str]:
             f"it is not placed: remove it with `gpusched cancel {row.job_id}`",
         ]
     return [f"{exc}; the next scheduling pass parks it"]
+
+
+class JobListing:
+    """`<p>.api.jobs.list`: jobs by team, state, class and kind, newest first, in pages.
+
+    A team lists its own jobs only (the team comes from its credential); naming
+    another team is `forbidden` and audited, like reading another team's job.
+    """
+
+    def __init__(self, uow: UnitOfWorkFactory) -> None:
+        self._uow = uow
+
+    async def __call__(self, raw: bytes) -> ListReply:
+        request = parse_request(ListJobs, raw)
+        if isinstance(request, Invalid):
+            return ListReply(ok=False, error=request.error())
+        who = access.caller()
+        if not who.is_operator:
+            if who.team is None or request.team not in (None, who.team):
+                why = (
+                    f"a team lists its own jobs ({who.team}), not team {request.team}'s"
+                    if who.team is not None
+                    else "only a team (its own jobs) or an operator lists jobs"
+                )
+                error = await access.forbid(self._uow, "list", request.team or "-", why)
+                return ListReply(ok=False, error=error)
+            request = request.model_copy(update={"team": who.team})
+        async with self._uow() as uow:
+            rows = await store.list_jobs(
+                uow,
+                team=request.team,
+                states=[s.value for s in request.states],
+                priority_class=request.priority_class,
+                kind=request.kind,
+                after=request.after,
+                # One more than asked: whether a next page exists, without a count.
+                limit=request.limit + 1,
+            )
+        page = [_summary(row) for row in rows[: request.limit]]
+        more = len(rows) > request.limit
+        return ListReply(ok=True, jobs=page, next=page[-1].job_id if more and page else None)
+
+
+def _summary(row: Any) -> JobSummary:
+    gpus = row.gpus if isinstance(row.gpus, dict) else {}
+    count, milli, model = gpus.get("count"), gpus.get("milli"), gpus.get("model")
+    return JobSummary(
+        job_id=row.job_id,
+        name=row.name,
+        team=row.team,
+        kind=row.kind,
+        priority_class=row.priority_class,
+        state=row.state,
+        attempt=row.attempt,
+        # A stored spec that no longer parses still lists, with what can be read of it.
+        gpus=count if isinstance(count, int) else 0,
+        milli=milli if isinstance(milli, int) else None,
+        model=model if isinstance(model, str) else None,
+        submitted_at=row.submitted_at,
+        allocation_id=row.allocation_id,
+    )

@@ -866,3 +866,39 @@ async def delete_reservations(uow: UnitOfWork, job_ids: Sequence[str]) -> None:
             f"DELETE FROM {_t(uow, 'reservations')} WHERE job_id = ANY(:ids)",
             {"ids": list(job_ids)},
         )
+
+
+async def list_jobs(
+    uow: UnitOfWork,
+    *,
+    team: str | None,
+    states: Sequence[str],
+    priority_class: str | None,
+    kind: str | None,
+    after: str | None,
+    limit: int,
+) -> list[Any]:
+    """A page of job rows, newest first; `after` a job id of the previous page (keyset
+    pagination: a page does not shift when jobs are submitted meanwhile). Columns only,
+    plus the GPU request of the stored spec, so an unreadable spec still lists."""
+    jobs = _t(uow, "jobs")
+    result = await uow.execute(
+        "SELECT job_id, name, team, kind, priority_class, state, attempt, allocation_id, "
+        "submitted_at, spec -> 'gpus' AS gpus "
+        f"FROM {jobs} WHERE (CAST(:team AS text) IS NULL OR team = :team) "
+        "AND (cardinality(CAST(:states AS text[])) = 0 OR state = ANY(:states)) "
+        "AND (CAST(:class AS text) IS NULL OR priority_class = :class) "
+        "AND (CAST(:kind AS text) IS NULL OR kind = :kind) "
+        "AND (CAST(:after AS text) IS NULL OR (submitted_at, job_id) < "
+        f"(SELECT submitted_at, job_id FROM {jobs} WHERE job_id = :after)) "
+        "ORDER BY submitted_at DESC, job_id DESC LIMIT :limit",
+        {
+            "team": team,
+            "states": list(states),
+            "class": priority_class,
+            "kind": kind,
+            "after": after,
+            "limit": limit,
+        },
+    )
+    return list(result)

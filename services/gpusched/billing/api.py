@@ -1,4 +1,4 @@
-"""Request/reply contract of `<p>.api.billing.statement`.
+"""Request/reply contracts of `<p>.api.billing.statement` and `<p>.api.billing.job`.
 
 Amounts travel as JSON strings ("12.34"), never floats: pydantic serializes Decimal as
 a string, and a client parsing the reply with these models gets Decimal back.
@@ -13,10 +13,15 @@ from enum import StrEnum
 from pydantic import AwareDatetime, Field, model_validator
 
 from gpusched.contracts.messages import ApiError, Wire
+from gpusched.contracts.validation import Id
 
 
 def statement_subject(prefix: str) -> str:
     return f"{prefix}.api.billing.statement"
+
+
+def job_bill_subject(prefix: str) -> str:
+    return f"{prefix}.api.billing.job"
 
 
 class ErrorCode(StrEnum):
@@ -88,4 +93,18 @@ class StatementReply(Wire):
     ok: bool
     statements: list[StatementView] = Field(default_factory=list)
     text: str = ""
+    error: ApiError | None = None
+
+
+class JobBillRequest(Wire):
+    """One job's usage and credits, priced with today's book, over its whole life."""
+
+    job_id: Id
+
+
+class JobBillReply(Wire):
+    ok: bool
+    job_id: str | None = None
+    # None: nothing on record for the job (never placed, or not yet metered).
+    statement: StatementView | None = None
     error: ApiError | None = None

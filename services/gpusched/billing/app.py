@@ -7,8 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from gpusched.billing.api import statement_subject
+from gpusched.billing.api import job_bill_subject, statement_subject
 from gpusched.billing.handlers import LedgerHandlers, StatementEndpoint
+from gpusched.billing.per_job import JobBillEndpoint
 from gpusched.contracts.messages import T
 from gpusched.domain.pricing import PriceBook
 from gpusched.infra import bus
@@ -66,6 +67,7 @@ async def build(rt: ServiceRuntime) -> None:
         )
     )
     rt.serve(statement_subject(s.prefix), StatementEndpoint(rt.uow, book))
+    rt.serve(job_bill_subject(s.prefix), JobBillEndpoint(rt.uow, book))
 
 
 def main() -> None:

@@ -174,18 +174,7 @@ async def credits_between(
         "AND (CAST(:team AS text) IS NULL OR team = :team) ORDER BY at, saga_id",
         {"start": start, "end": end, "team": team},
     )
-    return [
-        CreditRecord(
-            saga_id=row.saga_id,
-            allocation_id=row.allocation_id,
-            team=row.team,
-            job_id=row.job_id,
-            gpu_model=row.gpu_model,
-            lost_gpu_seconds=row.lost_gpu_seconds,
-            at=row.at,
-        )
-        for row in result
-    ]
+    return [_credit(row) for row in result]
 
 
 async def first_activity(uow: UnitOfWork, team: str | None) -> datetime | None:
@@ -214,4 +203,35 @@ def _usage(row: Any) -> AllocationUsage:
         disk_gb=row.disk_gb,
         opened_at=row.opened_at,
         closed_at=row.closed_at,
+    )
+
+
+async def usage_of_job(uow: UnitOfWork, job_id: str) -> list[AllocationUsage]:
+    """Every allocation a job held, oldest first."""
+    result = await uow.execute(
+        _USAGE_SELECT.format(schema=uow.schema)
+        + "AND o.job_id = :job ORDER BY o.at, o.allocation_id",
+        {"job": job_id, **_EVENTS},
+    )
+    return [_usage(row) for row in result]
+
+
+async def credits_of_job(uow: UnitOfWork, job_id: str) -> list[CreditRecord]:
+    result = await uow.execute(
+        "SELECT saga_id, allocation_id, team, job_id, gpu_model, lost_gpu_seconds, at "
+        f"FROM {uow.schema}.credits WHERE job_id = :job ORDER BY at, saga_id",
+        {"job": job_id},
+    )
+    return [_credit(row) for row in result]
+
+
+def _credit(row: Any) -> CreditRecord:
+    return CreditRecord(
+        saga_id=row.saga_id,
+        allocation_id=row.allocation_id,
+        team=row.team,
+        job_id=row.job_id,
+        gpu_model=row.gpu_model,
+        lost_gpu_seconds=row.lost_gpu_seconds,
+        at=row.at,
     )

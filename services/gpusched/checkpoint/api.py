@@ -5,16 +5,21 @@ Requests are plain JSON (no envelope), like the jobs API (DESIGN §4):
   usable checkpoint of a job (highest step; at the same step a persisted one first).
 - `<p>.api.sagas.get` {saga_id} or {job_id} -> {ok, saga}: an eviction saga, for the CLI
   and operators; by job, its live saga if it has one, else its most recent.
+- `<p>.api.checkpoints.history` {job_id} -> {ok, sagas, checkpoints}: a job's eviction
+  history and its catalogued checkpoints, newest first (`gpusched get` and `why`); a team
+  may read its own jobs' (the team of each job comes from admission's grants).
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from gpusched.contracts.messages import ApiError, CheckpointInfo, StageName
 from gpusched.contracts.subjects import Subjects
+from gpusched.contracts.validation import Id
 from gpusched.domain.saga import CheckpointRef, DeadlinePolicy, Outcome, Saga, SagaState
 
 
@@ -28,6 +33,10 @@ def latest_checkpoint_subject(subjects: Subjects) -> str:
 
 def get_saga_subject(subjects: Subjects) -> str:
     return f"{subjects.prefix}.api.sagas.get"
+
+
+def job_history_subject(subjects: Subjects) -> str:
+    return f"{subjects.prefix}.api.checkpoints.history"
 
 
 class LatestCheckpoint(_Wire):
@@ -114,3 +123,27 @@ def saga_view(saga: Saga) -> SagaView:
         evict_attempts=saga.evict_attempts,
         lost_gpu_seconds=saga.lost_gpu_seconds,
     )
+
+
+# The most of each a history reply holds (the newest ones); a job evicted more often than
+# this shows its latest evictions.
+HISTORY_MAX = 100
+
+
+class JobHistory(_Wire):
+    job_id: Id
+    limit: Annotated[int, Strict(), Field(ge=1, le=HISTORY_MAX)] = 20
+
+
+class CatalogueView(_Wire):
+    checkpoint: CheckpointInfo
+    confirmed_at: datetime
+    request_id: str | None  # None: a periodic checkpoint
+
+
+class JobHistoryReply(_Wire):
+    ok: bool
+    job_id: str | None = None
+    sagas: list[SagaView] = Field(default_factory=list)
+    checkpoints: list[CatalogueView] = Field(default_factory=list)
+    error: ApiError | None = None

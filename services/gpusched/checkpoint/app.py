@@ -6,6 +6,7 @@ from gpusched.checkpoint.api import (
     GetSagaReply,
     LatestCheckpointReply,
     get_saga_subject,
+    job_history_subject,
     latest_checkpoint_subject,
 )
 from gpusched.checkpoint.handlers import SagaHandlers
@@ -131,6 +132,9 @@ async def build(rt: ServiceRuntime) -> None:
             rt.uow, "sagas.get", queries.get_saga, lambda e: GetSagaReply(ok=False, error=e)
         ),
     )
+
+    # A job's own history: the endpoint itself lets a team read its own jobs' only.
+    rt.serve(job_history_subject(s), queries.job_history)
 
     async def sweep_deadlines() -> None:
         # Deadlines live in the database: whichever replica runs this (and a restarted

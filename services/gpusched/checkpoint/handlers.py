@@ -146,7 +146,9 @@ class SagaHandlers:
             why = "the request has a saga already"
             await _ignored(uow, known, "EvictionRequested", why, envelope.id)
             return
-        await store.remember_class(uow, request.job_id, request.priority_class.value, now)
+        await store.remember_class(
+            uow, request.job_id, request.priority_class.value, now, request.team
+        )
         policy = self._policies.for_class(request.priority_class.value)
         latest = await store.latest_checkpoint(uow, request.job_id)
         try:
@@ -224,7 +226,9 @@ class SagaHandlers:
     async def on_allocation_granted(self, envelope: Envelope, uow: UnitOfWork) -> None:
         granted = envelope.payload(wire.AllocationGranted)
         job_id = _require_token(granted.job_id, "job id")
-        await store.remember_class(uow, job_id, granted.priority_class.value, self._now())
+        await store.remember_class(
+            uow, job_id, granted.priority_class.value, self._now(), granted.team
+        )
 
     # --- job events -----------------------------------------------------------------------
 

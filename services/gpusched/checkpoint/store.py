@@ -30,6 +30,12 @@ class CatalogueEntry:
     confirmed_at: datetime
 
 
+@dataclass(frozen=True)
+class CatalogueRow:
+    entry: CatalogueEntry
+    request_id: str | None  # None: a periodic checkpoint the job took on its own
+
+
 # The trace of each saga a unit of work read or inserted: the saga's messages carry it,
 # and it never changes after the insert, so the SELECT that locks the saga brings it
 # along instead of a query of its own per step.
@@ -276,14 +282,18 @@ async def retire_checkpoints(uow: UnitOfWork, job_id: str, keep: int) -> list[di
 # --- the jobs' priority classes ----------------------------------------------------------
 
 
-async def remember_class(uow: UnitOfWork, job_id: str, priority_class: str, at: datetime) -> None:
+async def remember_class(
+    uow: UnitOfWork, job_id: str, priority_class: str, at: datetime, team: str | None = None
+) -> None:
     await uow.fetch(
-        f"INSERT INTO {uow.schema}.job_classes (job_id, priority_class, updated_at) "
-        "VALUES ($1, $2, $3) ON CONFLICT (job_id) DO UPDATE "
-        "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at",
+        f"INSERT INTO {uow.schema}.job_classes (job_id, priority_class, updated_at, team) "
+        "VALUES ($1, $2, $3, $4) ON CONFLICT (job_id) DO UPDATE "
+        "SET priority_class = EXCLUDED.priority_class, updated_at = EXCLUDED.updated_at, "
+        f"team = COALESCE(EXCLUDED.team, {uow.schema}.job_classes.team)",
         job_id,
         priority_class,
         at,
+        team,
     )
 
 
@@ -293,3 +303,50 @@ async def class_of(uow: UnitOfWork, job_id: str) -> str | None:
         f"SELECT priority_class FROM {uow.schema}.job_classes WHERE job_id = $1", job_id
     )
     return None if row is None else str(row["priority_class"])
+
+
+async def team_of(uow: UnitOfWork, job_id: str) -> str | None:
+    """The job's team, or None if no grant or eviction of it was seen since teams are kept."""
+    row = await uow.fetchrow(f"SELECT team FROM {uow.schema}.job_classes WHERE job_id = $1", job_id)
+    return None if row is None or row["team"] is None else str(row["team"])
+
+
+# --- a job's history (`<p>.api.checkpoints.history`) -----------------------------------
+
+
+async def sagas_of_job(uow: UnitOfWork, job_id: str, limit: int) -> list[Saga]:
+    """The job's eviction sagas, newest first."""
+    rows = await uow.fetch(
+        _SELECT.format(schema=uow.schema) + "WHERE job_id = $1 ORDER BY created_at DESC LIMIT $2",
+        job_id,
+        limit,
+    )
+    return _sagas(uow, rows)
+
+
+async def checkpoints_of_job(uow: UnitOfWork, job_id: str, limit: int) -> list[CatalogueRow]:
+    """The job's catalogued checkpoints, newest step first (each stage its own row)."""
+    rows = await uow.fetch(
+        "SELECT checkpoint_id, step, uri, bytes, sha256, stage, request_id, confirmed_at "
+        f"FROM {uow.schema}.checkpoints WHERE job_id = $1 "
+        "ORDER BY step DESC, confirmed_at DESC LIMIT $2",
+        job_id,
+        limit,
+    )
+    return [
+        CatalogueRow(
+            CatalogueEntry(
+                CheckpointRef(
+                    checkpoint_id=r["checkpoint_id"],
+                    step=r["step"],
+                    uri=r["uri"],
+                    bytes=r["bytes"],
+                    sha256=r["sha256"],
+                    stage=Stage(r["stage"]),
+                ),
+                r["confirmed_at"],
+            ),
+            r["request_id"],
+        )
+        for r in rows
+    ]

@@ -1,0 +1,225 @@
+"""The CLI without a stack: fast help, one-line errors naming the option, fast failure
+when nothing answers, and the pure pieces (filters, durations, GPU ranges)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from gpusched.cli import audit, choices, output
+from gpusched.cli.errors import BadInput
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
+    return subprocess.run(
+        [sys.executable, "-m", "gpusched.cli.main", *args],
+        cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+
+
+def test_help_imports_no_database_bus_or_contract_module() -> None:
+    probe = (
+        "import sys; from gpusched.cli.main import main; main(['--help']); "
+        "print('\\nLOADED', [m for m in ('sqlalchemy', 'alembic', 'asyncpg', 'nats', "
+        "'pydantic', 'gpusched.contracts.messages', 'rich', 'yaml') if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "LOADED []"
+    # The help says how the stack is found.
+    assert "GPUSCHED_DATA_DIR" in result.stdout and "stack file" in result.stdout
+
+
+def test_every_command_has_help() -> None:
+    for command in ("submit", "get", "why", "list", "cancel", "audit", "bill", "node", "up"):
+        result = _cli(command, "--help")
+        assert result.returncode == 0, (command, result.stderr)
+        assert "-h, --help" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--gpus", "0"], "gpusched: invalid gpus.count (--gpus): Input should be greater than"),
+        (["--gpus", "1", "--milli", "2000"], "gpusched: invalid gpus.milli (--milli): Input"),
+        (["--gpus", "1", "--team", "a b"], "gpusched: invalid team (--team): team 'a b' cannot"),
+        (["--gpus", "1", "--replicas", "5:2"], "gpusched: invalid replicas '5:2' (--replicas)"),
+        (["--gpus", "1", "--replicas", "x"], "gpusched: invalid replicas 'x' (--replicas): use"),
+        (["--gpus", "1", "--name", "a\x01b"], "gpusched: invalid name (--name): control char"),
+    ],
+)
+def test_a_bad_submit_value_is_one_line_naming_the_option_and_exit_2(
+    args: list[str], line: str
+) -> None:
+    base = ["submit", "--name", "x", "--team", "vision"]
+    result = _cli(*base, *args)
+    assert result.returncode == 2
+    [only] = result.stderr.splitlines()
+    assert only.startswith(line), only
+    assert "Traceback" not in result.stderr and "errors.pydantic.dev" not in result.stderr
+
+
+def test_a_job_file_is_read_and_the_command_line_wins(tmp_path: Path) -> None:
+    from gpusched.cli.jobs import _job_file, _put, _submit_request
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: from-file\nteam: vision\ngpus: {count: 2}\nworkload: {steps: 10}\n")
+    document = _job_file(job)
+    _put(document, "gpus.count", 4)
+    _put(document, "workload.argv", ["python", "train.py"])
+    request = _submit_request(document)
+    assert (request.name, request.gpus.count, request.workload.steps) == ("from-file", 4, 10)
+    assert request.workload.argv == ["python", "train.py"]
+    (tmp_path / "bad.json").write_text('{"name": "x", "team": "v", "gpus": {"count": -1}}')
+    with pytest.raises(BadInput, match=r"invalid gpus\.count \(--gpus\)"):
+        _submit_request(_job_file(tmp_path / "bad.json"))
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(BadInput, match="must hold one job"):
+        _job_file(tmp_path / "list.yaml")
+
+
+def test_a_submit_with_a_missing_job_file_says_so_in_one_line(tmp_path: Path) -> None:
+    result = _cli("submit", "-f", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"gpusched: cannot read the job file {tmp_path / 'nope.yaml'}")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_stack_is_one_line_with_what_to_check_and_exit_3() -> None:
+    # The issue's case: a URL where no NATS listens. It failed after 135 s with 61
+    # tracebacks; the subprocess timeout (60 s) is the hang guard here.
+    url = f"nats://127.0.0.1:{_closed_port()}"
+    for command in (["get", "job-1"], ["list"], ["audit"], ["bill", "--team", "x"]):
+        result = _cli(*command, env={"GPUSCHED_NATS_URL": url})
+        assert result.returncode == 3, (command, result.stderr)
+        [line] = result.stderr.splitlines()
+        assert line == (
+            f"gpusched: cannot reach NATS at {url} (connection refused). Is the stack up? "
+            "Start it with `gpusched up`, or set GPUSCHED_NATS_URL."
+        )
+    debug = _cli("--debug", "get", "job-1", env={"GPUSCHED_NATS_URL": url})
+    assert debug.returncode == 3 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_no_stack_known_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = _cli("list", env={"GPUSCHED_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("gpusched: no stack found") and "gpusched up" in line
+
+
+def test_an_unexpected_error_is_one_line_unless_debug_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpusched.cli import jobs
+    from gpusched.cli import main as cli
+
+    def broken(go: object, **_: object) -> int:
+        raise ValueError("the disk is full\nsecond line")
+
+    monkeypatch.setattr(jobs, "with_api", broken)
+    monkeypatch.delenv("GPUSCHED_DEBUG", raising=False)
+
+    assert cli.main(["get", "job-1"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "gpusched: unexpected error: ValueError: the disk is full "
+        "(run with --debug or GPUSCHED_DEBUG=1 for the traceback)"
+    ]
+    assert cli.main(["--debug", "get", "job-1"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_the_command_line_vocabularies_are_the_contracts() -> None:
+    from gpusched.admission.queue import JobState
+    from gpusched.cli.stack import SERVICES
+    from gpusched.contracts.messages import JobKind, JobStateName, PriorityClassName
+    from gpusched.contracts.permissions import SERVICE_NAMES
+
+    assert [c.value for c in choices.Priority] == [c.value for c in PriorityClassName]
+    assert [c.value for c in choices.Kind] == [c.value for c in JobKind]
+    assert [c.value for c in choices.State] == [c.value for c in JobStateName]
+    assert [c.value for c in JobStateName] == [c.value for c in JobState]
+    assert SERVICE_NAMES == SERVICES
+
+
+def test_shell_completion_offers_the_commands() -> None:
+    result = _cli(env={"_GPUSCHED_COMPLETE": "complete_bash", "COMP_WORDS": "gpusched li",
+                       "COMP_CWORD": "1"})  # fmt: skip
+    assert "list" in result.stdout.split()
+
+
+# --- audit filters ------------------------------------------------------------------------
+
+
+def test_since_takes_durations_iso_times_and_all() -> None:
+    now = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+    assert audit.since_time("30m", now) == now - timedelta(minutes=30)
+    assert audit.since_time("2h", now) == now - timedelta(hours=2)
+    assert audit.since_time("7d", now) == now - timedelta(days=7)
+    assert audit.since_time("2026-05-01T10:00:00Z", now) == now - timedelta(hours=2)
+    assert audit.since_time("all", now) is None
+    for bad in ("yesterday", "-5m", "5 parsecs", ""):
+        with pytest.raises(BadInput, match="--since"):
+            audit.since_time(bad, now)
+
+
+def test_audit_filters_match_action_prefixes_jobs_and_teams() -> None:
+    expand = {"action": "preempt.expand", "entity": "decision-1", "details": {"job_id": "job-a"}}
+    refused = {
+        "action": "access.forbidden",
+        "entity": "job-b",
+        "details": {"caller": "team:vision"},
+    }
+    assert audit.matches(expand, "preempt", None, None)
+    assert audit.matches(expand, "preempt.expand", "job-a", None)
+    assert not audit.matches(expand, "pre", None, None)  # whole words only
+    assert not audit.matches(expand, None, "job-b", None)
+    assert audit.matches(refused, None, "job-b", "vision")
+    assert not audit.matches(refused, None, None, "nlp")
+    assert not audit.matches({"action": "x", "details": "not a mapping"}, None, "job-a", None)
+
+
+def test_json_audit_output_is_one_record_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    class Msg:
+        data = json.dumps(
+            {
+                "id": "m1",
+                "time": "2026-05-01T12:00:00+00:00",
+                "data": {"action": "job.parked", "actor": "admission", "entity": "job-a",
+                         "reason": "r", "details": {}},
+            }
+        ).encode()  # fmt: skip
+
+    audit._print(Msg(), None, None, None, output.Format.JSON)  # type: ignore[arg-type]
+    audit._print(Msg(), "preempt", None, None, output.Format.JSON)  # type: ignore[arg-type]
+    [line] = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["action"] == "job.parked"
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def test_gpus_are_shown_per_node_as_ranges() -> None:
+    refs = [("shared-02", i) for i in range(8)] + [("shared-01", i) for i in (0, 1, 2, 5)]
+    assert output.gpus_by_node(refs) == ["shared-01: 4 GPUs (0-2,5)", "shared-02: 8 GPUs (0-7)"]
+    assert output.ranges([]) == ""
+    assert output.size(1_500_000_000) == "1.5 GB" and output.size(42) == "42 B"
