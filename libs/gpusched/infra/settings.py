@@ -57,6 +57,10 @@ class OutboxSettings(Section):
 
 
 class AdmissionSettings(Section):
+    # Where the GPU inventory comes from: `file` (inventory_path, read at the very first
+    # start and by `gpusched node reload`) or `agent` (no file: admission starts with no
+    # nodes and the cluster agent adds the cluster's, e.g. the Kubernetes agent's Nodes).
+    inventory_source: Literal["file", "agent"] = "file"
     inventory_path: Path = Path("deploy/inventory/demo.yaml")
     schedule_interval_s: float = Field(default=1.0, gt=0)
     # Teams, quotas and max priority classes (docs/admission-operator.md); None: no quotas.
