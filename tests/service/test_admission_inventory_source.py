@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.support.admission import Admission, Client, start_admission
 
-from gpusched.contracts.messages import NodeVerb
+from gpusched.contracts.messages import NodeVerb, T
 from gpusched.infra.settings import Settings
 
 NODE = {
@@ -87,3 +87,18 @@ async def test_a_restart_with_the_agent_as_source_keeps_the_nodes_the_agent_adde
         assert [n["name"] for n in listed["nodes"]] == ["gpu-17"]
     finally:
         await again.stop()
+
+
+async def test_an_inference_node_the_agent_adds_gives_mig_slices(
+    agent_sourced: Admission, client: Client
+) -> None:
+    node = {**NODE, "name": "inf-07", "pool": "inference"}
+    body = {"spec": node, "operator": "agent k8s", "reason": "kubernetes: a GPU node"}
+    added = await client.request(client.s.api_nodes(NodeVerb.ADD), json.dumps(body).encode())
+    assert added["ok"], added
+    await client.submitted(
+        kind="inference", priority_class="inference", gpus={"count": 1, "memory_gib": 15}
+    )
+    [configure] = await client.events(client.s.command("agent", T.MIG_CONFIGURE), 1)
+    assert configure.data["node"] == "inf-07"
+    assert configure.data["profiles"] == ["2g.20gb", "2g.20gb", "2g.20gb", "1g.10gb"]
