@@ -304,12 +304,10 @@ class AsyncJobClient:
         if nc is None or self._closing:
             return
         if not nc.is_closed:
-            # nats-py reads the credentials file at every (re)connect.
+            # nats-py reads the credentials file at every (re)connect. Not an outage: the
+            # disconnect it makes is not reported as one (the reconnect clears the mark).
             self._reconnecting_for_renewal = True
-            try:
-                await nc.force_reconnect()
-            finally:
-                self._reconnecting_for_renewal = False
+            await nc.force_reconnect()
             return
         # The server closed it (its credentials expired before a renewal came): a new
         # connection, which the event buffer and the control consumer move to.
@@ -323,7 +321,11 @@ class AsyncJobClient:
         await self._listen()
 
     async def _on_reconnected(self) -> None:
-        log.info("job %s: reconnected to the control plane", self.job_id)
+        if self._reconnecting_for_renewal:
+            self._reconnecting_for_renewal = False
+            log.debug("job %s: reconnected with renewed credentials", self.job_id)
+        else:
+            log.info("job %s: reconnected to the control plane", self.job_id)
         if self._sub is None or self._closing:
             return
         # The consumer may be gone with the server (it lives in memory); listen again
