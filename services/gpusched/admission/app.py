@@ -19,6 +19,7 @@ import yaml
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import NodeReply, NodeVerb, T
+from gpusched.contracts.permissions import AGENT_NODE_VERBS
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
 from gpusched.domain.sharing import ModeSchedule, Overcommit
@@ -184,7 +185,12 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
         rt.serve(
             s.api_nodes(verb),
             access.operators_only(
-                rt.uow, f"nodes.{verb}", endpoint, lambda e: NodeReply(ok=False, error=e)
+                rt.uow,
+                f"nodes.{verb}",
+                endpoint,
+                lambda e: NodeReply(ok=False, error=e),
+                # A cluster agent keeps the inventory to its cluster's nodes.
+                agents=verb in AGENT_NODE_VERBS,
             ),
         )
     rt.consume(
