@@ -1,6 +1,10 @@
-"""A Kubernetes cluster for the tests: the API stand-in, its kubelet, and the gpusched
-stack (every service a real process on the real NATS and PostgreSQL of the test
-fixtures) with the Kubernetes agent reaching the stand-in through a kubeconfig."""
+"""A Kubernetes cluster for the tests: the API stand-in, its kubelet, job controller and
+MIG manager, and the gpusched stack (every service a real process on the real NATS and
+PostgreSQL of the test fixtures) with the Kubernetes agent reaching the stand-in through
+a kubeconfig and asking the API with its own cluster agent credential.
+
+A test module may override `cluster_env` (more settings of the stack) and
+`cluster_inventory` (None: admission's inventory comes from the agent alone)."""
 
 from __future__ import annotations
 
@@ -25,20 +29,31 @@ from gpusched.contracts.envelope import make_envelope
 from gpusched.contracts.messages import GpuReading, GpuSample, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.settings import Settings
+from tests.conftest import Servers
 from tests.e2e.test_main_flow import FAST, Recorder
 from tests.support.identity import harness_options
 from tests.support.kubeapi import KubeApiStandIn, kubeconfig
+from tests.support.kubecontrollers import JobController, MigManager
 from tests.support.kubelet import Kubelet, gpu_node
 from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
 NODES = (("inf-00", "inference"), ("shared-00", "shared"), ("shared-01", "shared"))
+# The namespaces of the cluster and their teams (an operator's gpusched.io/team label);
+# "other" runs the team the agent's credential does not name.
+NAMESPACES = {"default": "e2e", "ml": "e2e", "research": "research", "other": "other"}
+AGENT_TEAMS = ("e2e", "research")
+# Admission's first inventory in the default set-up: two of the cluster's nodes, and
+# one the cluster does not have (the agent has admission remove it).
+FILE_INVENTORY = (("inf-00", "inference"), ("shared-00", "shared"), ("gone-00", "shared"))
 
 
 @dataclass
 class Cluster:
     api: KubeApiStandIn
     kubelet: Kubelet
+    jobs_controller: JobController
+    mig_manager: MigManager
     stack: Stack
     jobs: ApiClient
     nc: NatsClient
@@ -50,6 +65,21 @@ class Cluster:
     # The inference pool's GPU utilization the test's DCGM exporter reports (a node
     # running training reports 0.95, an idle node 0).
     inference_util: float = 0.2
+
+    def audits(self, action: str) -> list[dict[str, Any]]:
+        return [
+            d
+            for _, subj, t, d, _ in self.bus.messages
+            if t == T.AUDIT and d.get("action") == action
+        ]
+
+    def events(self, pod: str, reason: str, namespace: str = "default") -> list[Any]:
+        """The Kubernetes Events of `pod` with `reason` (what kubectl describe shows)."""
+        return [
+            e
+            for e in self.api.list("events", namespace)
+            if e["involvedObject"].get("name") == pod and e.get("reason") == reason
+        ]
 
     async def job_of(self, pod: str, namespace: str = "default") -> str:
         async def annotated() -> str | None:
@@ -108,6 +138,10 @@ class Cluster:
                 await asyncio.wait_for(stop.wait(), 0.25)
 
 
+async def _async(value: Any) -> Any:
+    return value
+
+
 def _now() -> Any:
     from gpusched.contracts.envelope import utcnow
 
@@ -133,7 +167,46 @@ def agent_env(kubeconfig_path: Path, webhook_port: int, pki: Any) -> dict[str, s
 
 
 @pytest.fixture
-async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
+def cluster_env() -> dict[str, str]:
+    return {}
+
+
+@pytest.fixture
+def cluster_inventory() -> tuple[tuple[str, str], ...] | None:
+    return FILE_INVENTORY
+
+
+def _inventory_file(nodes: tuple[tuple[str, str], ...], path: Path) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [
+                    {
+                        "name": n,
+                        "pool": p,
+                        "gpu_model": "A100-80GB",
+                        "gpus": 8,
+                        "gpu_memory_mib": 81920,
+                        "cpu_milli": 127500,
+                        "memory_mib": 1048576,
+                    }
+                    for n, p in nodes
+                ]
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+async def cluster(
+    settings: Settings,
+    servers: Servers,
+    tmp_path: Path,
+    cluster_env: dict[str, str],
+    cluster_inventory: tuple[tuple[str, str], ...] | None,
+) -> AsyncIterator[Cluster]:
+    from gpusched.infra import natsauth
     from gpusched.infra.embedded import free_port
 
     pki = make_pki(tmp_path / "pki")
@@ -150,38 +223,34 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
     url = await api.start(context)
     for name, pool in NODES:
         api.put("nodes", gpu_node(name, pool))
-    path = kubeconfig(url, api.token, pki.ca_file, tmp_path / "kubeconfig")
-    # Admission's first inventory: two of the cluster's nodes, and one the cluster does
-    # not have (the agent has admission remove it).
-    inventory = tmp_path / "inventory.yaml"
-    inventory.write_text(
-        yaml.safe_dump(
-            {
-                "nodes": [
-                    {
-                        "name": n,
-                        "pool": p,
-                        "gpu_model": "A100-80GB",
-                        "gpus": 8,
-                        "gpu_memory_mib": 81920,
-                        "cpu_milli": 127500,
-                        "memory_mib": 1048576,
-                    }
-                    for n, p in (
-                        ("inf-00", "inference"),
-                        ("shared-00", "shared"),
-                        ("gone-00", "shared"),
-                    )
-                ]
-            }
+    for namespace, team in NAMESPACES.items():
+        api.put(
+            "namespaces", {"metadata": {"name": namespace, "labels": {"gpusched.io/team": team}}}
         )
+    path = kubeconfig(url, api.token, pki.ca_file, tmp_path / "kubeconfig")
+    inventory = (
+        {"GPUSCHED_ADMISSION__INVENTORY_SOURCE": "agent"}
+        if cluster_inventory is None
+        else {
+            "GPUSCHED_ADMISSION__INVENTORY_PATH": str(
+                _inventory_file(cluster_inventory, tmp_path / "inventory.yaml")
+            )
+        }
     )
     env = {
         **FAST,
         **agent_env(path, webhook_port, pki),
-        "GPUSCHED_ADMISSION__INVENTORY_PATH": str(inventory),
+        **inventory,
         "GPUSCHED_CHECKPOINT__GRACE_S": "30",
     }
+    if servers.auth is not None:
+        # The agent's own API credential: it submits for its teams only.
+        api_creds = tmp_path / "agent-api.creds"
+        natsauth.write_secret(
+            api_creds, natsauth.issue_client(servers.auth, "agent", "k8s", teams=AGENT_TEAMS)
+        )
+        env["GPUSCHED_AGENT__KUBERNETES__API_CREDENTIALS"] = str(api_creds)
+    env.update(cluster_env)
     stack = Stack(
         settings.model_copy(update={"data_dir": tmp_path / "data"}),
         env=env,
@@ -190,6 +259,10 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
     await asyncio.to_thread(stack.start)
     kubelet = Kubelet(api, tmp_path / "kubelet")
     kubelet.start()
+    jobs_controller = JobController(api)
+    jobs_controller.start()
+    mig_manager = MigManager(api, "gpusched")
+    mig_manager.start()
     stop = asyncio.Event()
     configuration = client.Configuration()
     await config.load_kube_config(config_file=str(path), client_configuration=configuration)
@@ -202,6 +275,7 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
         f"{subjects.prefix}.evt.>",
         f"{subjects.prefix}.cmd.>",
         f"{subjects.prefix}.jobs.>",
+        f"{subjects.prefix}.audit.>",
     ):
         await nc.subscribe(subject, cb=recorder.on_message)
     telemetry: asyncio.Task[None] | None = None
@@ -211,10 +285,12 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
             stack.settings.subject_prefix,
             credentials=stack.settings.nats_credentials,
         ) as jobs:
-            await jobs.wait_until_serving()
+            await jobs.wait_until_serving(within_s=120)
             c = Cluster(
                 api,
                 kubelet,
+                jobs_controller,
+                mig_manager,
                 stack,
                 jobs,
                 nc,
@@ -226,12 +302,16 @@ async def cluster(settings: Settings, tmp_path: Path) -> AsyncIterator[Cluster]:
             )
             c.checkpoints.mkdir()
             telemetry = asyncio.create_task(c.telemetry(stop))
+            # The agent listed the cluster and serves its webhook: pods may be created.
+            await eventually(lambda: _async(recorder.of(T.AGENT_READY)), within=120)
             yield c
     finally:
         stop.set()
         if telemetry is not None:
             await telemetry
         await kubelet.stop()
+        await jobs_controller.stop()
+        await mig_manager.stop()
         await nc.close()
         await kube_api.close()
         await asyncio.to_thread(stack.stop)

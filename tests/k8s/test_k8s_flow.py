@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpusched.contracts.messages import T
 from tests.support.kubelet import training_pod
 from tests.support.waiting import eventually
 
 from .conftest import Cluster
+
+pytestmark = pytest.mark.timeout(600)
 
 
 async def _async(value: Any) -> Any:
@@ -101,6 +105,8 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     )
     [resumed] = await eventually(lambda: _async(c.kubelet.of("offline-a2")), within=30)
     assert resumed.env["GPUSCHED_RESUME_CHECKPOINT_ID"] == completed["checkpoint"]["checkpoint_id"]
+    # The container reads its checkpoint as it starts, just after the kubelet made it.
+    await eventually(lambda: _async(resumed.resumed_from_step is not None), within=30)
     assert resumed.resumed_from_step == completed["checkpoint"]["step"]
     started = await eventually(
         lambda: _async([d for d in c.bus.of(T.JOB_STARTED, job_id=job) if d.get("resumed_from")]),
@@ -195,6 +201,38 @@ async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
     c.api.mutate("nodes", node, "", not_ready)
     await eventually(lambda: _node_change(c, node, "failed"), within=30)
     await eventually(lambda: _async(c.bus.of(T.ALLOCATION_RELEASED, job_id=guarded)), within=30)
+    # Its allocation ended, so its pod must not run on: the agent deletes it. The node's
+    # kubelet is away, so the pod stays Terminating, as Kubernetes keeps it.
+    await eventually(
+        lambda: _async(
+            "deletionTimestamp"
+            in (c.api.get("pods", "guarded", "default") or {}).get("metadata", {})
+        ),
+        within=30,
+    )
+    await eventually(lambda: _async(c.events("guarded", "GpuschedReleased")), within=30)
+    # A restarted agent does not report the pod on the failed node as running.
+    readies = len(c.bus.of(T.AGENT_READY))
+    c.stack.kill("agent")
+    await eventually(lambda: _async(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
+    assert guarded_alloc not in c.bus.of(T.AGENT_READY)[-1]["running"]
+
+    # The node comes back: its kubelet stops the deleted pod's container, and the job
+    # (requeued from its checkpoint) runs again on a new pod only.
+    c.kubelet.down.discard(node)
+
+    def ready_again(obj: dict[str, Any]) -> None:
+        obj["status"]["conditions"] = [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady"}
+        ]
+
+    c.api.mutate("nodes", node, "", ready_again)
+    await eventually(lambda: _async(c.api.get("pods", "guarded", "default") is None), within=30)
+    [old] = c.kubelet.of("guarded")
+    assert old.task is not None and old.task.done()
+    await eventually(lambda: _running(c, guarded, attempt=2), within=60)
+    [again] = await eventually(lambda: _async(c.kubelet.of("guarded-a2")), within=30)
+    assert again.task is not None and not again.task.done()
 
     # Deleted from the cluster: removed from admission's inventory.
     await c.kubectl.delete_node(node)

@@ -103,6 +103,23 @@ async def test_the_agent_credential_keeps_the_inventory_to_its_clusters_nodes(
     await agent.nc.close()
 
 
+async def test_the_agent_service_identity_may_not_ask_the_api(
+    servers: Servers, own_identities: Settings, admission: Admission, tmp_path: Path
+) -> None:
+    _auth(servers)
+    s = Subjects(own_identities.subject_prefix)
+    assert own_identities.security.auth_dir is not None
+    creds = (own_identities.security.auth_dir / "creds" / "agent.creds").read_text()
+    service = await connect(servers.nats_url, creds, tmp_path, "agent-service")
+    body = json.dumps({"name": "pod", "team": "vision", "gpus": {"count": 1}}).encode()
+    await service.publish(s.api_jobs_submit, body)
+    assert await service.violated(s.api_jobs_submit)
+    await service.publish(s.api_nodes("add"), b"{}")
+    assert await service.violated(s.api_nodes("add"))
+    assert await admission.rows("jobs") == 0
+    await service.nc.close()
+
+
 def test_an_agent_credential_must_name_its_teams_and_only_an_agent_names_teams(
     servers: Servers,
 ) -> None:

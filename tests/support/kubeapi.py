@@ -4,9 +4,10 @@ No kube-apiserver can be installed here, so the Kubernetes agent is tested again
 this server, reached only through the client library and a kubeconfig, like a cluster.
 It serves exactly the resources the agent uses, following the API reference:
 
-- core/v1 nodes, pods (+ binding, eviction, status), secrets, configmaps, events;
-  policy/v1 poddisruptionbudgets; coordination.k8s.io/v1 leases;
-  resource.k8s.io/v1 resourceclaims (+ status);
+- core/v1 nodes, namespaces, pods (+ binding, eviction, status), secrets, configmaps,
+  events; batch/v1 jobs (stored; their controller is played by the test,
+  tests/support/kubecontrollers.py); policy/v1 poddisruptionbudgets;
+  coordination.k8s.io/v1 leases; resource.k8s.io/v1 resourceclaims (+ status);
 - one resourceVersion counter for every object (etcd's revision); list returns the
   collection's resourceVersion; watch (`?watch=true`) streams JSON lines over a chunked
   response from a resourceVersion, with BOOKMARK events when asked
@@ -64,6 +65,8 @@ KINDS = {
     k.plural: k
     for k in (
         Kind("", "v1", "nodes", "Node", False),
+        Kind("", "v1", "namespaces", "Namespace", False),
+        Kind("batch", "v1", "jobs", "Job", True),
         Kind("", "v1", "pods", "Pod", True),
         Kind("", "v1", "secrets", "Secret", True),
         Kind("", "v1", "configmaps", "ConfigMap", True),
@@ -310,6 +313,11 @@ class KubeApiStandIn:
             if p == plural and (namespace is None or ns == namespace)
         ]
 
+    async def create(self, plural: str, namespace: str, obj: Obj) -> Obj:
+        """Create as a client of the API does (a controller making pods): through
+        admission, so the mutating webhook is called for a pod."""
+        return await self._post(KINDS[plural], namespace, copy.deepcopy(obj))
+
     def put(self, plural: str, obj: Obj) -> Obj:
         """Create or replace an object as a controller would (no admission, no checks)."""
         kind = KINDS[plural]
@@ -424,7 +432,7 @@ class KubeApiStandIn:
                 404, "NotFound", f"the server could not find the requested resource ({path})"
             )
         namespace = None
-        if len(rest) >= 2 and rest[0] == "namespaces":
+        if len(rest) > 2 and rest[0] == "namespaces":
             namespace, rest = rest[1], rest[2:]
         if not rest or rest[0] not in KINDS:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -733,6 +741,18 @@ class KubeApiStandIn:
                         }
                     ],
                 )
+        # The pod says why it goes (what a Job's podFailurePolicy matches on).
+        disrupted = copy.deepcopy(pod)
+        disrupted["status"].setdefault("conditions", []).append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "EvictionByEvictionAPI",
+                "message": "Eviction API: evicting",
+                "lastTransitionTime": _now(),
+            }
+        )
+        self._store(kind, key, disrupted, "MODIFIED")
         grace = (body.get("deleteOptions") or {}).get("gracePeriodSeconds")
         self._delete_pod(key, grace)
         return status(201, "", "") | {"status": "Success"}

@@ -5,9 +5,12 @@ it waits for what the real kubelet waits for (the pod's Secret and its allocated
 ResourceClaim), gives the container the environment and the credentials file from
 that Secret (as the secret volume and secretKeyRef env would), marks the pod Running
 and runs its process: an SDK-using training loop (checkpoints to files, confirms them,
-resumes from the checkpoint it is given). A pod being deleted gets SIGTERM (the loop
-stops) and is removed after; a loop that ends sets the pod Succeeded or Failed with
-its exit code.
+resumes from the checkpoint it is given); a gang's worker (env RANK other than 0: rank
+0 checkpoints for the gang) and an inference replica (label gpusched.io/kind=inference)
+just run until stopped. A pod being deleted gets SIGTERM (the loop stops) and is removed
+after; a loop that ends sets the pod Succeeded or Failed with its exit code. As the
+real kubelet does for a secret volume, it rewrites the mounted credentials file when
+the Secret changes (environment variables are not refreshed).
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class Container:
     task: asyncio.Task[int] | None = None
     steps: list[int] = field(default_factory=list)
     resumed_from_step: int | None = None
+    role: str = "train"  # train, worker (a gang's rank > 0) or serve (inference)
+    secret: str = ""  # the pod's Secret (its handle)
+    namespace: str = "default"
+    # The credentials file as mounted, and how often the kubelet rewrote it.
+    creds_file: Path | None = None
+    creds_refreshed: int = 0
 
 
 @dataclass
@@ -76,9 +85,10 @@ class Kubelet:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def busy(self, node: str) -> bool:
-        """Whether a training process runs on `node` now."""
+        """Whether a training process runs on `node` now (the inference load is the
+        test's to say)."""
         return any(
-            c.node == node and c.task is not None and not c.task.done()
+            c.node == node and c.role != "serve" and c.task is not None and not c.task.done()
             for c in self.containers.values()
         )
 
@@ -108,11 +118,14 @@ class Kubelet:
                     await asyncio.wait_for(asyncio.shield(container.task), 10)
             self.api.remove("pods", meta["name"], meta["namespace"])
             return
+        if container is not None:
+            self._refresh(container)
         if container is None and status.get("phase") == "Pending":
             started = self._prepare(pod)
             if started is not None:
                 self.containers[uid] = started
-                started.task = asyncio.create_task(self._train(started), name=f"pod-{meta['name']}")
+                run = self._train(started) if started.role == "train" else self._serve(started)
+                started.task = asyncio.create_task(run, name=f"pod-{meta['name']}")
                 started.task.add_done_callback(
                     lambda t, name=meta["name"], ns=meta["namespace"]: self._ended(name, ns, t)
                 )
@@ -133,18 +146,55 @@ class Kubelet:
         results = claim["status"]["allocation"]["devices"]["results"]
         data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
         env = {k: v for k, v in data.items() if k.startswith(("GPUSCHED_", "CUDA_"))}
+        for container in pod["spec"].get("containers") or []:
+            for var in container.get("env") or []:
+                if "value" in var:
+                    env.setdefault(var["name"], var["value"])
         mount = self.workdir / meta["uid"]
         mount.mkdir(parents=True, exist_ok=True)
+        creds_file = None
         if "nats.creds" in data:
-            (mount / "nats.creds").write_text(data["nats.creds"])
+            creds_file = mount / "nats.creds"
+            creds_file.write_text(data["nats.creds"])
             # The secret volume's file, where this test process can read it.
-            env["GPUSCHED_NATS_CREDENTIALS"] = str(mount / "nats.creds")
+            env["GPUSCHED_NATS_CREDENTIALS"] = str(creds_file)
+        labels = meta.get("labels") or {}
+        role = (
+            "serve"
+            if labels.get("gpusched.io/kind") == "inference"
+            else "worker"
+            if env.get("RANK", "0") != "0"
+            else "train"
+        )
         return Container(
             meta["name"],
             pod["spec"]["nodeName"],
             env,
             [f"{r['pool']}/{r['device']}" for r in results],
+            role=role,
+            secret=handle,
+            namespace=meta["namespace"],
+            creds_file=creds_file,
         )
+
+    def _refresh(self, c: Container) -> None:
+        """The secret volume's sync: the file follows the Secret (a renewal)."""
+        if c.creds_file is None or (c.task is not None and c.task.done()):
+            return
+        secret = self.api.get("secrets", c.secret, c.namespace)
+        if secret is None or "nats.creds" not in (secret.get("data") or {}):
+            return
+        text = base64.b64decode(secret["data"]["nats.creds"]).decode()
+        if c.creds_file.read_text() != text:
+            tmp = c.creds_file.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(c.creds_file)  # atomically, as the kubelet swaps its symlink
+            c.creds_refreshed += 1
+
+    async def _serve(self, c: Container) -> int:
+        """A gang's worker or an inference replica: busy until stopped."""
+        await c.stop.wait()
+        return 143
 
     async def _train(self, c: Container) -> int:
         env = JobEnvironment.from_environ(c.env)

@@ -28,11 +28,15 @@ from gpusched.agent.kubernetes.pods import (
     Progress,
     assign_gang,
     claim_allocation,
+    crowd_refusal,
+    crowded_controllers,
     gang_outcome,
     outcome,
     read_pod,
     submission,
     successor,
+    successor_suffix,
+    team_of_namespace,
 )
 from gpusched.agent.kubernetes.quantity import QuantityError, count, mebibytes, milli
 from gpusched.agent.kubernetes.webhook import review_response, wired
@@ -98,6 +102,24 @@ def test_a_node_with_mig_resources_is_a_mig_node() -> None:
     node["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "7"
     observed = observe(node, "gpusched.io/pool")
     assert observed is not None and observed.spec["mig"] is True
+
+
+def test_a_mig_layout_that_moves_gpus_to_slice_resources_keeps_the_nodes_gpu_count() -> None:
+    # The MIG manager's mixed strategy: GPU 0 in MIG mode, seven whole GPUs advertised.
+    node = gpu_node("g1", "inference")
+    node["status"]["allocatable"].update(
+        {"nvidia.com/gpu": "7", "nvidia.com/mig-2g.20gb": "3", "nvidia.com/mig-1g.10gb": "1"}
+    )
+    observed = observe(node, "gpusched.io/pool")
+    assert observed is not None and observed.gpus == 8
+    assert reconcile({"g1": observed}, {"g1": _known(NodeState.UP, pool="inference")}) == []
+
+
+def test_a_node_gpu_feature_discovery_says_is_not_mig_capable_is_not_a_mig_node() -> None:
+    node = gpu_node("g1", "inference")
+    node["metadata"]["labels"][L.GFD_MIG_CAPABLE] = "false"
+    observed = observe(node, "gpusched.io/pool")
+    assert observed is not None and observed.spec["mig"] is False
 
 
 def _known(state: NodeState, gpus: int = 8, pool: str = "shared") -> KnownNode:
@@ -201,6 +223,24 @@ def test_a_jobs_pods_share_the_key_of_their_controller_across_attempts() -> None
     )
 
 
+def test_a_controllers_several_pods_outside_a_gang_are_refused_saying_how_to_write_them() -> None:
+    def owned(name: str, uid: str, **labels: str) -> Any:
+        pod = _pod(name, labels=labels)
+        pod["metadata"]["ownerReferences"] = [
+            {"kind": "ReplicaSet", "name": f"rs-{uid}", "uid": uid, "controller": True}
+        ]
+        return read_pod(pod)
+
+    crowded = crowded_controllers(
+        [owned("web-1", "R1"), owned("web-2", "R1"), owned("job-1", "J1"),
+         owned("w-0", "S1", **{L.GANG: "g", L.GANG_SIZE: "2"}),
+         owned("w-1", "S1", **{L.GANG: "g", L.GANG_SIZE: "2"}), read_pod(_pod("alone"))]
+    )  # fmt: skip
+    assert set(crowded) == {"R1"}
+    message = crowd_refusal(crowded["R1"])
+    assert "ReplicaSet rs-R1" in message and L.REPLICAS in message and L.GANG in message
+
+
 def _status(phase: str, **extra: Any) -> dict[str, Any]:
     return {"status": {"phase": phase, **extra}}
 
@@ -269,11 +309,53 @@ def test_the_claim_names_exactly_the_devices_admission_chose() -> None:
 def test_a_later_attempt_is_the_same_pod_without_its_node_and_handle() -> None:
     pod = wired(_pod(), "gpusched-aaaa")
     pod["spec"]["nodeName"] = "a"
-    nxt = successor(pod, 3, "job-1")
+    nxt = successor(pod, "a3", "job-1")
     assert nxt["metadata"]["name"] == "train-a3"
     assert "nodeName" not in nxt["spec"]
     assert nxt["metadata"]["annotations"][L.JOB_ID] == "job-1"
-    assert successor(nxt, 4, "job-1")["metadata"]["name"] == "train-a4"
+    assert successor(nxt, "a4", "job-1")["metadata"]["name"] == "train-a4"
+    assert successor(nxt, "r7", "job-1")["metadata"]["name"] == "train-r7"
+
+
+def test_a_replica_pod_is_named_after_its_allocation_and_a_later_attempt_after_its_number() -> None:
+    assert successor_suffix("job-abc-r12", 1, replicas=True) == "r12"
+    assert successor_suffix("job-abc-r12", 3, replicas=False) == "a3"
+    odd = successor_suffix("alloc-xyz", 1, replicas=True)
+    assert odd.startswith("r") and odd == successor_suffix("alloc-xyz", 2, replicas=True)
+
+
+def test_an_inference_pod_with_replicas_is_a_service_of_that_many_replicas() -> None:
+    pod = _pod("web", gpus=1, labels={L.KIND: "inference", L.REPLICAS: "2:4"})
+    pod["metadata"]["labels"][L.PRIORITY_CLASS] = "inference"
+    job = submission([read_pod(pod)], [pod])
+    assert job.replicas is not None and (job.replicas.min, job.replicas.max) == (2, 4)
+    assert job.workload.pod is not None and job.workload.pod["replicas"] is True
+    fixed = _pod("web", gpus=1, labels={L.KIND: "inference", L.REPLICAS: "3"})
+    assert read_pod(fixed).replicas == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        ({L.REPLICAS: "2"}, "for inference services"),
+        ({L.KIND: "inference", L.REPLICAS: "4:2"}, "MIN must not exceed MAX"),
+        ({L.KIND: "inference", L.REPLICAS: "0"}, "between 1 and 1024"),
+        ({L.KIND: "inference", L.REPLICAS: "1:2:3"}, "MIN:MAX"),
+        ({L.KIND: "inference", L.REPLICAS: "2", L.GANG: "g", L.GANG_SIZE: "2"}, "gang"),
+    ],
+)
+def test_replicas_that_make_no_sense_are_refused_with_the_label_to_fix(
+    labels: dict[str, str], message: str
+) -> None:
+    with pytest.raises(PodRefused, match=message):
+        read_pod(_pod("web", gpus=1, labels=labels))
+
+
+def test_a_namespaces_team_is_the_operators_mapping_else_its_label_else_none() -> None:
+    assert team_of_namespace("ml", {"ml": "vision"}, "nlp") == "vision"
+    assert team_of_namespace("ml", {}, "nlp") == "nlp"
+    with pytest.raises(PodRefused, match=r"kubectl label namespace ml gpusched\.io/team=<team>"):
+        team_of_namespace("ml", {"other": "vision"}, None)
 
 
 # --- the webhook ----------------------------------------------------------------------------

@@ -101,16 +101,10 @@ def grants() -> dict[str, ServiceGrant]:
         ),
         "agent": ServiceGrant(
             # The simulated cluster publishes its nodes' telemetry and, for the
-            # simulated jobs it runs in-process, their events.
-            publishes=(
-                "evt.agent.>",
-                "telemetry.>",
-                "jobs.*.events",
-                # The Kubernetes agent submits the pods of the gpusched scheduler as jobs
-                # and keeps admission's inventory in step with the cluster's nodes.
-                "api.jobs.submit",
-                "api.nodes.*",
-            ),
+            # simulated jobs it runs in-process, their events. The Kubernetes agent's
+            # submits and node commands go through the API with a cluster agent's
+            # credential (agent_client_permissions), never as this service identity.
+            publishes=("evt.agent.>", "telemetry.>", "jobs.*.events"),
             consumers=(c("COMMANDS", "agent-commands"),),
             # Its replay of admission's events and the control subjects of its
             # simulated jobs: ordered consumers, which nats-py creates unnamed.

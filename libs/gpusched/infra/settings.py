@@ -237,8 +237,13 @@ class KubernetesSettings(Section):
     # Where the agent keeps its Lease, its MIG ConfigMap and its own Events.
     namespace: str = Field(default="gpusched", min_length=1, max_length=63)
     # namespace -> team: a pod's team is its namespace's (a label naming another team is
-    # refused). Empty: the pod's gpusched.io/team label is taken as it is.
+    # refused). A namespace not listed has the team of its gpusched.io/team label (set by
+    # an operator); with neither, its pods are refused.
     namespace_teams: dict[str, str] = Field(default_factory=dict)
+    # The agent's API credential (`gpusched auth issue --agent NAME --teams ...`): its
+    # submits and node commands go as a cluster agent, accepted only for those teams.
+    # Required when NATS authenticates (the agent service's own identity may not ask).
+    api_credentials: Path | None = None
     # GPU feature discovery product names -> gpusched GPU models, beyond the built-in ones.
     gpu_models: dict[str, str] = Field(default_factory=dict)
     # The grace period of an eviction, per priority class (seconds).

@@ -78,11 +78,14 @@ from .pods import (
     GangMismatch,
     GpuschedPod,
     Outcome,
+    Owner,
     PodRefused,
     Progress,
     assign_gang,
     claim_allocation,
     claimed_devices,
+    crowd_refusal,
+    crowded_controllers,
     gang_outcome,
     gpu_claim,
     is_gpusched_pod,
@@ -91,6 +94,8 @@ from .pods import (
     read_pod,
     submission,
     successor,
+    successor_suffix,
+    team_of_namespace,
 )
 
 log = logging.getLogger(__name__)
@@ -148,6 +153,7 @@ class KubernetesAgent:
         settings: KubernetesSettings,
         nc: NatsClient,
         *,
+        api: NatsClient | None = None,
         agent_id: str,
         nats_url: str,
         clock: Callable[[], datetime] = utcnow,
@@ -157,6 +163,9 @@ class KubernetesAgent:
         self._s = subjects
         self._settings = settings
         self._nc = nc
+        # Submits and node commands go as a cluster agent (its own API credential), so
+        # admission takes pods only for the teams that credential names.
+        self._api = api or nc
         self.agent_id = agent_id
         self._pod_nats_url = settings.pod_nats_url or without_credentials(nats_url)
         self._now = clock
@@ -176,16 +185,25 @@ class KubernetesAgent:
         self.nodes = Informer(
             kube, "nodes", self._on_node, watch_timeout_s=settings.watch_timeout_s
         )
+        self.namespaces = Informer(
+            kube, "namespaces", self._on_namespace, watch_timeout_s=settings.watch_timeout_s
+        )
         self._wake = asyncio.Event()
         self._admission: dict[str, KnownNode] = {}
         self._granted: dict[str, AllocationGranted] = {}
         self._allocations: dict[str, _Allocation] = {}
         self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
+        # Allocations admission released (why), from its event history: their pods must
+        # not run on, nor be reported running, whoever ended them.
+        self._released: OrderedDict[str, str] = OrderedDict()
         self._deleted: list[Obj] = []
         self._sent: dict[tuple[str, Action], float] = {}
         self._failed_nodes: set[str] = set()
         self._node_problems: dict[str, str] = {}
         self._refused: dict[Key, str] = {}
+        # Refusals that a change of the cluster may lift, and which change: the pod's
+        # namespace getting its team ("namespace"), or a GPU node joining ("capacity").
+        self._may_lift: dict[Key, str] = {}
         self._mig: dict[str, _MigChange] = {}
         self._announced_at: int | None = None
         self._closing = False
@@ -200,9 +218,23 @@ class KubernetesAgent:
     def _on_node(self, kind: str, node: Obj) -> None:
         self._wake.set()
 
+    def _on_namespace(self, kind: str, namespace: Obj) -> None:
+        # Its team may have been set or changed: pods refused for it are looked at again.
+        name = str((namespace.get("metadata") or {}).get("name", ""))
+        self._lift(lambda key, why: why == "namespace" and key[0] == name)
+
+    def _lift(self, which: Callable[[Key, str], bool]) -> None:
+        """Forget the refusals `which` selects, so their pods are looked at again."""
+        lifted = [key for key, why in self._may_lift.items() if which(key, why)]
+        for key in lifted:
+            del self._may_lift[key]
+            self._refused.pop(key, None)
+        if lifted:
+            self._wake.set()
+
     @property
     def synced(self) -> bool:
-        return self.pods.synced.is_set() and self.nodes.synced.is_set()
+        return all(i.synced.is_set() for i in (self.pods, self.nodes, self.namespaces))
 
     # --- admission's events ---------------------------------------------------------------
     async def on_admission_event(self, envelope: Envelope) -> None:
@@ -222,11 +254,18 @@ class KubernetesAgent:
                 )
             for action in Action:
                 self._sent.pop((node.name, action), None)
+            if changed.change in (NodeChange.ADDED, NodeChange.UNDRAINED, NodeChange.RECOVERED):
+                # More GPUs: a pod refused as larger than the cluster may fit now.
+                self._lift(lambda key, why: why == "capacity")
         elif envelope.type == T.ALLOCATION_GRANTED:
             granted = envelope.payload(AllocationGranted)
             self._granted[granted.allocation_id] = granted
         elif envelope.type == T.ALLOCATION_RELEASED:
-            self._granted.pop(envelope.payload(AllocationReleased).allocation_id, None)
+            released = envelope.payload(AllocationReleased)
+            self._granted.pop(released.allocation_id, None)
+            self._released[released.allocation_id] = released.reason
+            while len(self._released) > _REMEMBERED_STOPS:
+                self._released.popitem(last=False)
         self._wake.set()
 
     # --- the reconcile loop -----------------------------------------------------------------
@@ -270,11 +309,18 @@ class KubernetesAgent:
                 observed[name] = node
         return observed
 
+    def _failed(self, observed: Iterable[str]) -> set[str]:
+        """Admission's nodes that are failed, or that the cluster no longer has."""
+        present = set(observed)
+        return {
+            name
+            for name, known in self._admission.items()
+            if known.state is NodeState.FAILED or name not in present
+        }
+
     async def _reconcile_nodes(self) -> None:
         observed = self.observed_nodes()
-        self._failed_nodes = {
-            name for name, known in self._admission.items() if known.state is NodeState.FAILED
-        } | {name for name in self._admission if name not in observed}
+        self._failed_nodes = self._failed(observed)
         now = time.monotonic()
         for step in reconcile(observed, self._admission):
             sent = self._sent.get((step.node, step.action))
@@ -324,7 +370,7 @@ class KubernetesAgent:
         import json
 
         try:
-            msg = await self._nc.request(subject, json.dumps(body).encode(), timeout=_REQUEST_S)
+            msg = await self._api.request(subject, json.dumps(body).encode(), timeout=_REQUEST_S)
         except Exception as exc:
             raise Unavailable(f"admission did not answer on {subject}: {exc!r}") from exc
         return bytes(msg.data)
@@ -345,6 +391,9 @@ class KubernetesAgent:
         return read
 
     async def _reconcile_pods(self) -> None:
+        for key in [k for k in self._refused if k not in self.pods.cache]:
+            self._refused.pop(key, None)  # the pod is gone: so is its refusal
+            self._may_lift.pop(key, None)
         pods = self._pods()
         groups: dict[tuple[str, str], list[GpuschedPod]] = defaultdict(list)
         by_alloc: dict[str, list[GpuschedPod]] = defaultdict(list)
@@ -353,8 +402,24 @@ class KubernetesAgent:
                 by_alloc[pod.allocation_id].append(pod)
             elif pod.job_id is None and not pod.bound and not pod.deleting:
                 groups[pod.group].append(pod)
+        crowded = crowded_controllers(
+            p
+            for key, p in pods.items()
+            if not p.deleting and outcome(self.pods.cache[key]).progress is not Progress.ENDED
+        )
+        # A controller scaled down to one pod: that pod may be submitted after all.
+        self._lift(
+            lambda key, why: (
+                why == "crowd"
+                and (key not in pods or (pods[key].owner or Owner("", "", "")).uid not in crowded)
+            )
+        )
         for members in groups.values():
             if any(m.key in self._refused for m in members):
+                continue
+            owner = members[0].owner
+            if owner is not None and owner.uid in crowded:
+                await self._refuse(members, crowd_refusal(owner), lifted_by="crowd")
                 continue
             if members[0].gang and len(members) < members[0].gang_size:
                 continue  # the rest of the gang is not created yet
@@ -366,22 +431,27 @@ class KubernetesAgent:
                 log.warning("submitting %s failed: %r", [m.name for m in members], exc)
         for alloc, members in by_alloc.items():
             try:
-                await self._report(alloc, members)
+                if alloc in self._released:
+                    await self._end_released(alloc, members)
+                else:
+                    await self._report(alloc, members)
             except Unavailable:
                 raise
             except Exception as exc:
                 log.warning("reporting allocation %s failed: %r", alloc, exc)
 
     def _team_of(self, namespace: str, team: str) -> str:
-        teams = self._settings.namespace_teams
-        if not teams:
-            return team
-        owner = teams.get(namespace)
-        if owner is None:
-            raise PodRefused(f"namespace {namespace} runs no gpusched jobs (no team for it)")
+        """The team of a pod in `namespace` that says it is `team`'s: the namespace's, as
+        the cluster enforces it (the operator's NAMESPACE_TEAMS, else the namespace's
+        gpusched.io/team label, which only who may change Namespaces can set). A pod
+        cannot name another team, whatever its own label says."""
+        obj = self.namespaces.cache.get(("", namespace)) or {}
+        labelled = ((obj.get("metadata") or {}).get("labels") or {}).get(L.TEAM)
+        owner = team_of_namespace(namespace, self._settings.namespace_teams, labelled)
         if team != owner:
             raise PodRefused(
-                f"label {L.TEAM}={team!r} names another team than namespace {namespace}'s ({owner})"
+                f"label {L.TEAM}={team!r} claims another team than namespace {namespace}'s "
+                f"({owner}): a pod runs for its namespace's team only"
             )
         return owner
 
@@ -390,6 +460,10 @@ class KubernetesAgent:
         try:
             for m in members:
                 self._team_of(m.namespace, m.team)
+        except PodRefused as exc:
+            await self._refuse(members, str(exc), lifted_by="namespace")
+            return
+        try:
             job = submission(members, objects)
         except PodRefused as exc:
             await self._refuse(members, str(exc))
@@ -399,19 +473,29 @@ class KubernetesAgent:
         )
         if not reply.ok or reply.job_id is None:
             message = reply.error.message if reply.error else "refused"
-            await self._refuse(members, f"gpusched refused the job: {message}")
+            unsatisfiable = reply.error is not None and reply.error.code == "unsatisfiable"
+            await self._refuse(
+                members,
+                f"gpusched refused the job: {message}",
+                lifted_by="capacity" if unsatisfiable else None,
+            )
             return
         for m in members:
-            await self._annotate(m.namespace, m.name, {L.JOB_ID: reply.job_id})
+            # A refusal that no longer holds (its namespace got its team) is cleared.
+            await self._annotate(m.namespace, m.name, {L.JOB_ID: reply.job_id, L.REFUSED: None})
         log.info("submitted %s as job %s", ", ".join(m.name for m in members), reply.job_id)
         await self._pod_event(
             objects[0], "GpuschedQueued", f"submitted to gpusched as job {reply.job_id}", "Normal"
         )
 
-    async def _refuse(self, members: list[GpuschedPod], why: str) -> None:
+    async def _refuse(
+        self, members: list[GpuschedPod], why: str, lifted_by: str | None = None
+    ) -> None:
         log.warning("not submitting %s: %s", ", ".join(m.name for m in members), why)
         for m in members:
             self._refused[m.key] = why
+            if lifted_by is not None:
+                self._may_lift[m.key] = lifted_by
             with contextlib.suppress(NotFound, Conflict):
                 await self._annotate(m.namespace, m.name, {L.REFUSED: why[:1000]})
             await self._pod_event(
@@ -424,12 +508,17 @@ class KubernetesAgent:
             )
         await self._audit("k8s.pod_refused", ",".join(m.name for m in members), why, {})
 
-    async def _annotate(self, namespace: str, name: str, notes: dict[str, str]) -> Obj:
-        """Set annotations with the pod's resourceVersion; a 409 (someone changed the pod
-        meanwhile) reads it again and retries."""
+    async def _annotate(self, namespace: str, name: str, notes: dict[str, str | None]) -> Obj:
+        """Set annotations (None: remove one) with the pod's resourceVersion; a 409
+        (someone changed the pod meanwhile) reads it again and retries."""
         for _ in range(_CONFLICT_RETRIES):
             pod = await self.kube.get_pod(namespace, name)
-            pod["metadata"].setdefault("annotations", {}).update(notes)
+            current = pod["metadata"].setdefault("annotations", {})
+            for key, value in notes.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
             try:
                 return await self.kube.replace_pod(pod)
             except Conflict:
@@ -473,6 +562,28 @@ class KubernetesAgent:
                     if outcome(self.pods.cache[m.key]).progress is not Progress.ENDED:
                         with contextlib.suppress(NotFound):
                             await self.kube.delete_pod(m.namespace, m.name)
+
+    async def _end_released(self, alloc: str, members: list[GpuschedPod]) -> None:
+        """Admission ended this allocation (cancelled, scaled down, its node failed, its
+        job requeued): no pod of it runs on. Deleted with its class's grace (a release is
+        not a disruption a budget may hold); remembered as stopped, so its pods' end is
+        not reported again (admission has released it already)."""
+        why = self._released[alloc]
+        if alloc not in self._stopped:
+            self._remember(alloc, members[0].job_id or "", StopReason.INTERRUPTED, None)
+        for m in members:
+            if m.deleting or outcome(self.pods.cache[m.key]).progress is Progress.ENDED:
+                continue
+            grace = self._settings.evict_grace_s.get(m.priority_class.value, 30)
+            with contextlib.suppress(NotFound):
+                await self.kube.delete_pod(m.namespace, m.name, grace)
+            log.info("allocation %s was released (%s): deleted pod %s", alloc, why, m.name)
+            await self._pod_event(
+                self.pods.cache[m.key],
+                "GpuschedReleased",
+                f"gpusched ended allocation {alloc} ({why}): the pod is deleted",
+                "Normal",
+            )
 
     async def _settle_deleted(self) -> None:
         deleted, self._deleted = self._deleted, []
@@ -568,6 +679,9 @@ class KubernetesAgent:
         if alloc in self._stopped:
             log.info("ignoring a start for allocation %s, which already ran", alloc)
             return
+        if alloc in self._released:
+            log.info("ignoring a start for allocation %s, released already", alloc)
+            return
         if any(p.allocation_id == alloc and p.bound for p in self._pods().values()):
             self._wake.set()  # bound already (a redelivery): its report follows its phase
             return
@@ -626,24 +740,36 @@ class KubernetesAgent:
         created = []
         for tmpl in templates:
             namespace = str((tmpl.get("metadata") or {}).get("namespace") or "default")
-            if granted is not None:
-                try:
-                    self._team_of(namespace, granted.team)
-                except PodRefused as exc:
-                    raise StartFailed(str(exc)) from None
-            elif self._settings.namespace_teams:
+            if granted is None:
                 raise Unavailable("the allocation's grant has not arrived yet")
-            pod = successor(tmpl, start.attempt, start.job_id)
-            pod["metadata"]["namespace"] = namespace
             try:
-                created.append(await self.kube.create_pod(namespace, pod))
-            except Conflict:
-                created.append(await self.kube.get_pod(namespace, pod["metadata"]["name"]))
-            except KubeError as exc:
-                raise StartFailed(
-                    f"cannot create pod {pod['metadata']['name']}: {exc.message}"
-                ) from None
+                self._team_of(namespace, granted.team)
+            except PodRefused as exc:
+                raise StartFailed(str(exc)) from None
+            replica = bool(spec.get("replicas"))
+            suffix = successor_suffix(start.allocation_id, start.attempt, replica)
+            pod = successor(tmpl, suffix, start.job_id)
+            pod["metadata"]["namespace"] = namespace
+            created.append(await self._create_successor(namespace, pod, start.job_id))
         return created
+
+    async def _create_successor(self, namespace: str, pod: Obj, job_id: str) -> Obj:
+        """Create a pod of a later attempt or another replica. One of that name that is
+        already there is this one if it is the job's (a start applied again after a
+        restart); a stranger's pod of that name is left alone and the name made unique."""
+        name = pod["metadata"]["name"]
+        for candidate in (name, f"{name[:240]}-{job_id[-6:]}"):
+            pod["metadata"]["name"] = candidate
+            try:
+                return await self.kube.create_pod(namespace, pod)
+            except Conflict:
+                existing = await self.kube.get_pod(namespace, candidate)
+                notes = existing["metadata"].get("annotations") or {}
+                if notes.get(L.JOB_ID) == job_id:
+                    return existing
+            except KubeError as exc:
+                raise StartFailed(f"cannot create pod {candidate}: {exc.message}") from None
+        raise StartFailed(f"pods named {name} already exist in {namespace} and are not its own")
 
     async def _start(self, start: StartWorkload) -> None:
         alloc = start.allocation_id
@@ -1031,11 +1157,21 @@ class KubernetesAgent:
         return True
 
     def running(self) -> list[str]:
-        """Allocations whose pods are bound and not ended: they run (or are starting)."""
+        """Allocations whose pods are bound and not ended: they run (or are starting).
+        Not a pod on a failed node (Kubernetes keeps it until the node is back or gone),
+        nor one of an allocation admission released (its delete may still be under way)."""
+        failed = self._failed(self.observed_nodes())
         allocs: set[str] = set()
         for key, pod in self._pods().items():
             ended = outcome(self.pods.cache[key]).progress is Progress.ENDED
-            if pod.allocation_id and pod.bound and not pod.deleting and not ended:
+            if (
+                pod.allocation_id
+                and pod.bound
+                and not pod.deleting
+                and not ended
+                and pod.node not in failed
+                and pod.allocation_id not in self._released
+            ):
                 allocs.add(pod.allocation_id)
         return sorted(allocs)
 

@@ -16,7 +16,7 @@ from typing import Any
 from gpusched.agent.feed import caught_up, follow_admission
 from gpusched.agent.publisher import Publisher
 from gpusched.contracts.messages import T
-from gpusched.infra import bus
+from gpusched.infra import bus, tls
 from gpusched.infra.runtime import ServiceRuntime
 
 from .agent import KubernetesAgent
@@ -31,10 +31,31 @@ LEASE = "gpusched-agent"
 _READY_CHECK_S = 0.5
 
 
+class AgentMisconfigured(RuntimeError):
+    """A setting the Kubernetes agent cannot start without (the message says which)."""
+
+
 async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
     settings = rt.settings.agent.kubernetes
     s = rt.subjects
     nats_url, _ = rt.settings.require_urls()
+    api = rt.nc
+    if rt.credentials is not None:
+        # On an authenticating NATS the service identity may not ask the API: the agent
+        # asks with its own cluster agent credential, scoped to its teams.
+        if settings.api_credentials is None:
+            raise AgentMisconfigured(
+                "the Kubernetes agent needs its API credential: `gpusched auth issue "
+                "--agent NAME --teams T1,T2 --out agent-api.creds`, then set "
+                "GPUSCHED_AGENT__KUBERNETES__API_CREDENTIALS to that file"
+            )
+        api = await bus.connect(
+            nats_url,
+            f"gpusched-{NAME}-api",
+            settings.api_credentials,
+            tls=tls.nats_context(rt.settings),
+        )
+        rt.on_close(api.close)
     kube = Kube(await connect(settings.kubeconfig))
     rt.on_close(kube.close)
     identity = f"{NAME}@{socket.gethostname()}"
@@ -61,6 +82,7 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
         s,
         settings,
         rt.nc,
+        api=api,
         agent_id=identity,
         nats_url=nats_url,
     )
@@ -85,11 +107,15 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
     async def watch_nodes(stopping: asyncio.Event) -> None:
         await _until(stopping, agent.nodes.run())
 
+    async def watch_namespaces(stopping: asyncio.Event) -> None:
+        await _until(stopping, agent.namespaces.run())
+
     async def announce() -> None:
         await agent.announce_if_due(lambda: caught_up(feed))
 
     rt.background("pods", watch_pods)
     rt.background("nodes", watch_nodes)
+    rt.background("namespaces", watch_namespaces)
     rt.background("reconcile", agent.run)
     rt.every("ready", _READY_CHECK_S, announce)
     rt.on_close(agent.close)

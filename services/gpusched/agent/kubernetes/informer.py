@@ -81,11 +81,7 @@ class Informer:
                 self.relists += 1
 
     async def _list(self) -> None:
-        listed = (
-            await self._kube.list_nodes()
-            if self.kind == "nodes"
-            else await self._kube.list_pods(self._fields)
-        )
+        listed = await self._kube.list(self.kind, self._fields)
         items = listed.get("items") or []
         fresh: dict[Key, Obj] = {}
         for item in items:

@@ -38,6 +38,8 @@ REQUEST_TIMEOUT_S = 10.0
 # (deploy/k8s/agent-kubernetes/rbac.yaml) grants exactly these; a test holds them equal.
 API_CALLS: dict[tuple[str, str], frozenset[str]] = {
     ("", "nodes"): frozenset({"list", "watch", "patch"}),
+    # A namespace's gpusched.io/team label (set by an operator) is its pods' team.
+    ("", "namespaces"): frozenset({"list", "watch"}),
     ("", "pods"): frozenset({"get", "list", "watch", "create", "update", "delete"}),
     ("", "pods/binding"): frozenset({"create"}),
     ("", "pods/eviction"): frozenset({"create"}),
@@ -147,14 +149,22 @@ class Kube:
         result: Obj = body
         return result
 
-    # --- reads ----------------------------------------------------------------------
-    async def list_nodes(self) -> Obj:
-        return await self._call(self.core.list_node)
+    def _lister(self, kind: str) -> Callable[..., Awaitable[Any]]:
+        listers: dict[str, Callable[..., Awaitable[Any]]] = {
+            "nodes": self.core.list_node,
+            "namespaces": self.core.list_namespace,
+            "pods": self.core.list_pod_for_all_namespaces,
+        }
+        return listers[kind]
 
-    async def list_pods(self, field_selector: str) -> Obj:
-        return await self._call(
-            self.core.list_pod_for_all_namespaces, field_selector=field_selector
-        )
+    # --- reads ----------------------------------------------------------------------
+    async def list(self, kind: str, field_selector: str = "") -> Obj:
+        """All objects of `kind` (nodes, namespaces, pods in every namespace)."""
+        kwargs = {"field_selector": field_selector} if field_selector else {}
+        return await self._call(self._lister(kind), **kwargs)
+
+    async def list_nodes(self) -> Obj:
+        return await self.list("nodes")
 
     async def get_pod(self, namespace: str, name: str) -> Obj:
         return await self._call(self.core.read_namespaced_pod, name, namespace)
@@ -259,7 +269,7 @@ class Kube:
         bookmarks, until the server ends it (about `timeout_s`). Gone on a 410."""
         from kubernetes_asyncio import watch
 
-        method = self.core.list_node if kind == "nodes" else self.core.list_pod_for_all_namespaces
+        method = self._lister(kind)
         kwargs: dict[str, Any] = {
             "resource_version": resource_version,
             "allow_watch_bookmarks": True,

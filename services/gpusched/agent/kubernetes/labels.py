@@ -16,6 +16,9 @@ PRIORITY_CLASS: Final = f"{DOMAIN}/priority-class"  # label, default p1-normal
 KIND: Final = f"{DOMAIN}/kind"  # label: training (default) or inference
 GANG: Final = f"{DOMAIN}/gang"  # label: pods of one gang share it
 GANG_SIZE: Final = f"{DOMAIN}/gang-size"  # label: how many pods the gang has
+# label: an inference service's replicas, "N" or "MIN:MAX"; admission scales them and
+# each replica is a pod made from this one (which is the first).
+REPLICAS: Final = f"{DOMAIN}/replicas"
 CHECKPOINTABLE: Final = f"{DOMAIN}/checkpointable"  # annotation: "true" (default) / "false"
 CHECKPOINT_SECONDS: Final = f"{DOMAIN}/estimated-checkpoint-seconds"  # annotation
 GPU_MODEL: Final = f"{DOMAIN}/gpu-model"  # annotation: e.g. A100-80GB
@@ -47,6 +50,7 @@ MIG_RESOURCE_PREFIX: Final = "nvidia.com/mig-"
 GFD_PRODUCT: Final = "nvidia.com/gpu.product"
 GFD_COUNT: Final = "nvidia.com/gpu.count"
 GFD_MEMORY: Final = "nvidia.com/gpu.memory"  # MiB per GPU
+GFD_MIG_CAPABLE: Final = "nvidia.com/mig.capable"
 MIG_CONFIG: Final = "nvidia.com/mig.config"
 MIG_CONFIG_STATE: Final = "nvidia.com/mig.config.state"
 POD_GPU_CLAIM: Final = "gpusched-gpus"  # the pod's resourceClaims entry

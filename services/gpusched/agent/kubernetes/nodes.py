@@ -104,6 +104,8 @@ def observe(
         )
     if any(key.startswith(L.MIG_RESOURCE_PREFIX) for key in allocatable):
         spec["mig"] = True
+    elif node_labels.get(L.GFD_MIG_CAPABLE) == "false":
+        spec["mig"] = False  # GPU feature discovery says so, whatever the model could do
     try:
         parse_inventory({"nodes": [spec]})
     except InventoryError as exc:
@@ -122,13 +124,13 @@ def observe(
 
 
 def _gpu_count(allocatable: Mapping[str, Any], node_labels: Mapping[str, str]) -> int:
-    if L.GPU_RESOURCE in allocatable:
-        return count(allocatable[L.GPU_RESOURCE])
-    # A node whose GPUs are all MIG-partitioned (mixed strategy) or handed out through
-    # DRA advertises no nvidia.com/gpu: GPU feature discovery still counts them.
-    if L.GFD_COUNT in node_labels:
-        return count(node_labels[L.GFD_COUNT])
-    return 0
+    """The node's physical GPUs. With MIG (mixed strategy) a GPU in MIG mode leaves the
+    nvidia.com/gpu count for its slices' resources, and with DRA none is advertised at
+    all; GPU feature discovery still counts them all. Whichever is larger: a MIG layout
+    change must not look like GPUs gone (which would drain the node)."""
+    advertised = count(allocatable[L.GPU_RESOURCE]) if L.GPU_RESOURCE in allocatable else 0
+    discovered = count(node_labels[L.GFD_COUNT]) if L.GFD_COUNT in node_labels else 0
+    return max(advertised, discovered)
 
 
 def _readiness(status: Mapping[str, Any]) -> tuple[bool, str]:

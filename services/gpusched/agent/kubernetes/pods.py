@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -30,6 +31,7 @@ from gpusched.contracts.messages import (
     GpuShare,
     JobKind,
     PriorityClassName,
+    Replicas,
     StopReason,
     SubmitJob,
     WorkloadSpec,
@@ -68,6 +70,7 @@ class GpuschedPod:
     milli: int | None
     gang: str | None
     gang_size: int
+    replicas: tuple[int, int] | None  # an inference service's (min, max)
     owner: Owner | None
     handle: str | None
     job_id: str | None
@@ -115,6 +118,16 @@ def read_pod(pod: Mapping[str, Any]) -> GpuschedPod:
         gang_size = _int(pod_labels.get(L.GANG_SIZE), L.GANG_SIZE, name, low=1, high=1024)
     elif L.GANG_SIZE in pod_labels:
         raise PodRefused(f"pod {name}: label {L.GANG_SIZE} needs {L.GANG} (the gang's name)")
+    replicas = None
+    if L.REPLICAS in pod_labels:
+        replicas = _replicas(pod_labels[L.REPLICAS], name)
+        if kind is not JobKind.INFERENCE:
+            raise PodRefused(
+                f"pod {name}: {L.REPLICAS} is for inference services: label it "
+                f"{L.KIND}=inference (a training job is one pod, or a gang)"
+            )
+        if gang is not None:
+            raise PodRefused(f"pod {name}: a gang ({L.GANG}) cannot have {L.REPLICAS}")
     gpus = _gpus(pod, notes, name)
     milli = None
     if L.GPU_MILLI in notes:
@@ -146,6 +159,7 @@ def read_pod(pod: Mapping[str, Any]) -> GpuschedPod:
         milli=milli,
         gang=gang,
         gang_size=gang_size,
+        replicas=replicas,
         owner=_controller(meta),
         handle=notes.get(L.HANDLE) or None,
         job_id=notes.get(L.JOB_ID) or None,
@@ -218,10 +232,57 @@ def _float(value: str, label: str, pod: str) -> float:
     return number
 
 
+def _replicas(value: str, pod: str) -> tuple[int, int]:
+    parts = value.split(":")
+    if len(parts) > 2:
+        raise PodRefused(f'pod {pod}: {L.REPLICAS}={value!r} must be "N" or "MIN:MAX"')
+    low = _int(parts[0], L.REPLICAS, pod, low=1, high=1024)
+    high = _int(parts[-1], L.REPLICAS, pod, low=1, high=1024)
+    if low > high:
+        raise PodRefused(f"pod {pod}: {L.REPLICAS}={value!r}: MIN must not exceed MAX")
+    return low, high
+
+
 def _flag(value: str, label: str, pod: str) -> bool:
     if value not in ("true", "false"):
         raise PodRefused(f'pod {pod}: {label}={value!r} must be "true" or "false"')
     return value == "true"
+
+
+def crowded_controllers(live: Iterable[GpuschedPod]) -> dict[str, Owner]:
+    """Controllers (a Deployment's ReplicaSet, a Job of parallelism > 1, ...) with more
+    than one live pod outside a gang. Their pods share one submission key, so they would
+    be one gpusched job that only one of them runs: they are refused instead, saying how
+    to write it (a gang, or one pod with gpusched.io/replicas)."""
+    counts: dict[str, int] = defaultdict(int)
+    owners: dict[str, Owner] = {}
+    for pod in live:
+        if pod.owner is not None and pod.gang is None:
+            counts[pod.owner.uid] += 1
+            owners[pod.owner.uid] = pod.owner
+    return {uid: owners[uid] for uid, n in counts.items() if n > 1}
+
+
+def crowd_refusal(owner: Owner) -> str:
+    return (
+        f"the pods of {owner.kind} {owner.name} would all be one gpusched job: label them "
+        f"a gang ({L.GANG}, {L.GANG_SIZE} = their count) for training, or write one pod "
+        f"with {L.REPLICAS} for an inference service (admission scales its replicas)"
+    )
+
+
+def team_of_namespace(namespace: str, mapping: Mapping[str, str], labelled: str | None) -> str:
+    """The team a namespace's pods run for: the operator's mapping, else the namespace's
+    gpusched.io/team label. PodRefused (saying how to give it one) if it has neither:
+    a pod's own label is never trusted alone, since whoever creates pods writes it."""
+    owner = mapping.get(namespace) or labelled
+    if not owner:
+        raise PodRefused(
+            f"namespace {namespace} has no gpusched team: an operator labels it "
+            f"(kubectl label namespace {namespace} {L.TEAM}=<team>) or maps it in "
+            "GPUSCHED_AGENT__KUBERNETES__NAMESPACE_TEAMS"
+        )
+    return owner
 
 
 # --- submission -------------------------------------------------------------------------
@@ -284,12 +345,17 @@ def submission(pods: Sequence[GpuschedPod], objects: Sequence[Mapping[str, Any]]
             gang=True,
             checkpointable=first.checkpointable,
             estimated_checkpoint_s=first.checkpoint_s,
+            replicas=None
+            if first.replicas is None
+            else Replicas(min=first.replicas[0], max=first.replicas[1]),
             idempotency_key=submission_key(pods),
             workload=WorkloadSpec(
                 kind="pod",
                 pod={
                     "pods": [template(o) for o in objects],
                     "controller": first.owner.kind if first.owner else None,
+                    # Each replica is a pod of its own, named after its allocation.
+                    "replicas": first.replicas is not None,
                 },
             ),
         )
@@ -387,6 +453,17 @@ def gang_outcome(outcomes: Sequence[Outcome]) -> Outcome:
     return Outcome(Progress.WAITING)
 
 
+def successor_suffix(allocation_id: str, attempt: int, replicas: bool) -> str:
+    """How a pod the agent makes is told apart from its job's other pods: a replica by
+    its number in the allocation id (admission's `<job>-r<N>`), else by the attempt."""
+    if replicas:
+        found = re.search(r"-r([0-9]{1,9})$", allocation_id)
+        if found:
+            return f"r{found.group(1)}"
+        return "r" + hashlib.sha256(allocation_id.encode()).hexdigest()[:8]
+    return f"a{attempt}"
+
+
 # --- placement --------------------------------------------------------------------------
 class GangMismatch(ValueError):
     """Admission's GPUs cannot be split among the pods (a pod's GPUs must be on one node)."""
@@ -419,13 +496,14 @@ def assign_gang(
     return placed
 
 
-def successor(last: Mapping[str, Any], attempt: int, job_id: str) -> Obj:
-    """The pod of a later attempt, from the job's template: same spec, a name that says
-    the attempt; the webhook gives it a new handle when it is created."""
+def successor(last: Mapping[str, Any], suffix: str, job_id: str) -> Obj:
+    """The pod of a later attempt (`suffix` "a<attempt>") or of another replica
+    ("r<number>"), from the job's template: same spec, a name that says which; the
+    webhook gives it a new handle when it is created."""
     tmpl = copy.deepcopy(dict(last))
     meta = tmpl.setdefault("metadata", {})
-    base = re.sub(r"-a[0-9]+$", "", str(meta.get("name") or "pod"))
-    meta["name"] = f"{base[:240]}-a{attempt}"
+    base = re.sub(r"-[ar][0-9]+$", "", str(meta.get("name") or "pod"))
+    meta["name"] = f"{base[:240]}-{suffix}"
     meta.setdefault("annotations", {})[L.JOB_ID] = job_id
     meta["labels"] = {**(meta.get("labels") or {}), L.CREATED_BY: "gpusched-agent"}
     tmpl.get("spec", {}).pop("nodeName", None)
