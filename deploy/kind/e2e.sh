@@ -93,6 +93,9 @@ sed -n 's/^\(kubectl -n gpusched create secret generic gpusched-\(nats-auth\|cre
   "$ROOT/docs/deploy.md" | (cd "$WORK" && bash -x)
 kubectl -n gpusched create secret generic gpusched-database \
   --from-literal=GPUSCHED_DATABASE_URL="postgresql+asyncpg://gpusched:$PG_PASSWORD@gpusched-pg-rw:5432/gpusched"
+# The agent's API credential: it submits pods for team demo only (docs/kubernetes.md).
+"$ROOT/.venv/bin/gpusched" auth issue --agent k8s --teams demo --dir "$WORK/bundle" --out "$WORK/agent-api.creds"
+kubectl -n gpusched create secret generic gpusched-agent-api --from-file=nats.creds="$WORK/agent-api.creds"
 cat >"$WORK/kustomization.yaml" <<KUST
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
@@ -103,7 +106,9 @@ KUST
 kubectl apply -k "$WORK" --load-restrictor LoadRestrictionsNone
 kubectl -n gpusched rollout status deploy/gpusched-agent --timeout=300s
 
-step "a training pod, as a user writes it"
+step "a training pod, as a user writes it, in namespace default (team demo's)"
+# An operator gives the namespace its team; a pod's own team label must agree with it.
+kubectl label --overwrite namespace default gpusched.io/team=demo
 kubectl apply -f - <<POD
 apiVersion: v1
 kind: Pod

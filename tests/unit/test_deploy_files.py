@@ -1079,7 +1079,19 @@ def test_kustomize_renders_the_install_with_the_kubernetes_agent(tmp_path: Path)
     assert pod["automountServiceAccountToken"] is True  # its token, for the RBAC above
     assert agent["spec"]["replicas"] == 1
     names = {e["name"] for e in pod["containers"][0]["env"]}
-    assert {"GPUSCHED_AGENT__CLUSTER", "GPUSCHED_NATS_CREDENTIALS"} <= names
+    assert {
+        "GPUSCHED_AGENT__CLUSTER",
+        "GPUSCHED_NATS_CREDENTIALS",
+        "GPUSCHED_AGENT__KUBERNETES__API_CREDENTIALS",
+    } <= names
     assert {"ClusterRole", "MutatingWebhookConfiguration", "Certificate"} <= {
         d["kind"] for d in rendered
     }
+    # The agent asks the API with its own cluster agent credential, from its own Secret.
+    mounts = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["agent-api"]["secret"]["secretName"] == "gpusched-agent-api"
+    # Admission's inventory is the cluster's Nodes: no file.
+    [env] = [
+        d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpusched-env"
+    ]
+    assert env["data"]["GPUSCHED_ADMISSION__INVENTORY_SOURCE"] == "agent"
