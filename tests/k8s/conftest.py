@@ -138,8 +138,15 @@ class Cluster:
                 await asyncio.wait_for(stop.wait(), 0.25)
 
 
-async def _async(value: Any) -> Any:
+async def now(value: Any) -> Any:
+    """`value` as an awaitable: what `eventually` polls for a condition already known."""
     return value
+
+
+async def running(c: Cluster, job_id: str, attempt: int = 1) -> bool:
+    """The job runs (admission placed it), in `attempt` or a later one."""
+    job = await c.job(job_id)
+    return bool(job.state == "running" and job.attempt >= attempt)
 
 
 def _now() -> Any:
@@ -303,7 +310,7 @@ async def cluster(
             c.checkpoints.mkdir()
             telemetry = asyncio.create_task(c.telemetry(stop))
             # The agent listed the cluster and serves its webhook: pods may be created.
-            await eventually(lambda: _async(recorder.of(T.AGENT_READY)), within=120)
+            await eventually(lambda: now(recorder.of(T.AGENT_READY)), within=120)
             yield c
     finally:
         stop.set()

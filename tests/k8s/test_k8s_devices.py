@@ -22,7 +22,7 @@ from gpusched.contracts.messages import T
 from tests.support.kubelet import training_pod
 from tests.support.waiting import eventually
 
-from .conftest import Cluster
+from .conftest import Cluster, now, running
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,14 +37,6 @@ def cluster_env() -> dict[str, str]:
 @pytest.fixture
 def cluster_inventory() -> None:
     return None  # admission's inventory comes from the agent alone
-
-
-async def _async(value: Any) -> Any:
-    return value
-
-
-async def _running(c: Cluster, job_id: str) -> bool:
-    return bool((await c.job(job_id)).state == "running")
 
 
 def _progress(c: Cluster, job_id: str) -> int:
@@ -75,12 +67,12 @@ async def test_an_inference_pod_gets_a_mig_slice_the_mig_manager_laid_out(
     )
     await c.kubectl.create_namespaced_pod("default", pod)
     job = await c.job_of("llm-serve")
-    [configure] = await eventually(lambda: _async(c.bus.of(T.MIG_CONFIGURE)), within=60)
+    [configure] = await eventually(lambda: now(c.bus.of(T.MIG_CONFIGURE)), within=60)
     assert configure["node"] == "inf-00"
     assert configure["profiles"] == ["2g.20gb", "2g.20gb", "2g.20gb", "1g.10gb"]
     # The agent asked the MIG manager: the node's mig.config names a config of the
     # agent's ConfigMap with that GPU's slices; the manager reported success.
-    [configured] = await eventually(lambda: _async(c.bus.of(T.MIG_CONFIGURED)), within=60)
+    [configured] = await eventually(lambda: now(c.bus.of(T.MIG_CONFIGURED)), within=60)
     assert configured["change_id"] == configure["change_id"]
     node = c.api.get("nodes", "inf-00")
     assert node is not None
@@ -110,10 +102,10 @@ async def test_an_inference_pod_gets_a_mig_slice_the_mig_manager_laid_out(
     ]
 
     # Placed on a 2g.20gb slice of that GPU: the pod's claim names that MIG device.
-    await eventually(lambda: _running(c, job), within=60)
+    await eventually(lambda: running(c, job), within=60)
     view = await c.job(job)
     assert view.share is not None and view.share.mig_profile == "2g.20gb"
-    [container] = await eventually(lambda: _async(c.kubelet.of("llm-serve")), within=30)
+    [container] = await eventually(lambda: now(c.kubelet.of("llm-serve")), within=30)
     [device] = container.devices
     assert device.startswith(f"inf-00/gpu-{configure['gpu']}-mig-2g20gb-")
 
@@ -125,7 +117,7 @@ async def test_a_claim_allocated_to_other_devices_is_corrected_and_said(cluster:
         await c.kubectl.patch_node(node, {"spec": {"unschedulable": True}})
     for node in ("shared-00", "shared-01"):
         await eventually(
-            lambda n=node: _async(
+            lambda n=node: now(
                 [
                     d
                     for d in c.bus.of(T.INVENTORY_CHANGED, change="drained")
@@ -166,13 +158,13 @@ async def test_a_claim_allocated_to_other_devices_is_corrected_and_said(cluster:
     )
     for node in ("shared-00", "shared-01"):
         await c.kubectl.patch_node(node, {"spec": {"unschedulable": False}})
-    await eventually(lambda: _running(c, job), within=60)
+    await eventually(lambda: running(c, job), within=60)
     view = await c.job(job)
-    [container] = await eventually(lambda: _async(c.kubelet.of("tuned")), within=30)
+    [container] = await eventually(lambda: now(c.kubelet.of("tuned")), within=30)
     assert sorted(container.devices) == sorted(f"{g.node}/gpu-{g.index}" for g in view.allocated)
     assert not any(d.startswith("inf-00/") for d in container.devices)
     # Never silent: an audit record and an Event on the pod.
-    [audit] = await eventually(lambda: _async(c.audits("k8s.claim_corrected")), within=30)
+    [audit] = await eventually(lambda: now(c.audits("k8s.claim_corrected")), within=30)
     assert audit["entity"] == job and "inf-00" in audit["reason"]
     assert c.events("tuned", "GpuschedClaimCorrected")
 
@@ -186,8 +178,8 @@ async def test_a_running_pods_credentials_are_renewed_in_its_secret_and_its_job_
     )
     await c.kubectl.create_namespaced_pod("default", pod)
     job = await c.job_of("steady")
-    await eventually(lambda: _running(c, job), within=60)
-    [container] = await eventually(lambda: _async(c.kubelet.of("steady")), within=30)
+    await eventually(lambda: running(c, job), within=60)
+    [container] = await eventually(lambda: now(c.kubelet.of("steady")), within=30)
     assert container.creds_file is not None
     first = _jwt_claims(container.creds_file.read_text())
     assert first["exp"] - time.time() <= CREDENTIAL_TTL_S + 1
@@ -201,10 +193,10 @@ async def test_a_running_pods_credentials_are_renewed_in_its_secret_and_its_job_
     current = base64.b64decode(secret["data"]["nats.creds"]).decode()
     assert _jwt_claims(current)["exp"] > first["exp"] + CREDENTIAL_TTL_S
     assert container.creds_refreshed >= 2
-    await eventually(lambda: _async(container.creds_file.read_text() == current), within=10)  # type: ignore[union-attr]
+    await eventually(lambda: now(container.creds_file.read_text() == current), within=10)  # type: ignore[union-attr]
     # The first credentials died long ago; the job still reports, on the renewed ones.
     progressed = _progress(c, job)
-    await eventually(lambda: _async(_progress(c, job) > progressed + 1), within=20)
+    await eventually(lambda: now(_progress(c, job) > progressed + 1), within=20)
     assert (await c.job(job)).state == "running"
 
 
@@ -215,7 +207,7 @@ async def test_a_pod_is_its_namespaces_teams_whatever_its_label_claims(cluster: 
         "liar", team="research", priority="p1-normal", gpus=1, checkpoint_dir=c.checkpoints
     )
     await c.kubectl.create_namespaced_pod("ml", liar)
-    [event] = await eventually(lambda: _async(c.events("liar", "GpuschedRefused", "ml")), within=30)
+    [event] = await eventually(lambda: now(c.events("liar", "GpuschedRefused", "ml")), within=30)
     assert "claims another team than namespace ml's (e2e)" in event["message"]
     # In namespace research the same pod is research's, and runs.
     honest = training_pod(
@@ -230,7 +222,7 @@ async def test_a_pod_is_its_namespaces_teams_whatever_its_label_claims(cluster: 
     )
     await c.kubectl.create_namespaced_pod("other", stranger)
     [refused] = await eventually(
-        lambda: _async(c.events("stranger", "GpuschedRefused", "other")), within=30
+        lambda: now(c.events("stranger", "GpuschedRefused", "other")), within=30
     )
     assert "agent:k8s may not submit" in refused["message"]
     # A namespace without a team: refused, saying how to give it one; labelled, it runs.
@@ -240,14 +232,14 @@ async def test_a_pod_is_its_namespaces_teams_whatever_its_label_claims(cluster: 
     )
     await c.kubectl.create_namespaced_pod("scratch", orphan)
     [why] = await eventually(
-        lambda: _async(c.events("orphan", "GpuschedRefused", "scratch")), within=30
+        lambda: now(c.events("orphan", "GpuschedRefused", "scratch")), within=30
     )
     assert "kubectl label namespace scratch gpusched.io/team=<team>" in why["message"]
     await c.kubectl.patch_namespace(
         "scratch", {"metadata": {"labels": {"gpusched.io/team": "e2e"}}}
     )
     orphaned = await c.job_of("orphan", "scratch")
-    await eventually(lambda: _running(c, orphaned), within=60)
+    await eventually(lambda: running(c, orphaned), within=60)
     for name, namespace in (("liar", "ml"), ("stranger", "other")):
         obj = c.api.get("pods", name, namespace)
         assert obj is not None and "gpusched.io/job-id" not in obj["metadata"]["annotations"]

@@ -16,18 +16,9 @@ from gpusched.contracts.messages import T
 from tests.support.kubelet import training_pod
 from tests.support.waiting import eventually
 
-from .conftest import Cluster
+from .conftest import Cluster, now, running
 
 pytestmark = pytest.mark.timeout(600)
-
-
-async def _async(value: Any) -> Any:
-    return value
-
-
-async def _running(c: Cluster, job_id: str, attempt: int = 1) -> bool:
-    job = await c.job(job_id)
-    return bool(job.state == "running" and job.attempt >= attempt)
 
 
 async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_on_a_new_pod(
@@ -36,7 +27,7 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     c = cluster
     # The agent made admission's inventory the cluster's: shared-01 added, gone-00 removed.
     await eventually(
-        lambda: _async(
+        lambda: now(
             c.bus.of(T.INVENTORY_CHANGED, change="added")
             and c.bus.of(T.INVENTORY_CHANGED, change="removed")
         ),
@@ -52,9 +43,9 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     await c.kubectl.create_namespaced_pod("default", normal)
     job = await c.job_of("offline")
     other = await c.job_of("normal")
-    await eventually(lambda: _running(c, job), within=60)
-    await eventually(lambda: _running(c, other), within=60)
-    await eventually(lambda: _async(c.kubelet.of("offline") and c.kubelet.of("normal")), within=30)
+    await eventually(lambda: running(c, job), within=60)
+    await eventually(lambda: running(c, other), within=60)
+    await eventually(lambda: now(c.kubelet.of("offline") and c.kubelet.of("normal")), within=30)
 
     # Bound through the Binding API to the node admission chose, with a Secret (not the
     # pod spec) carrying the job's identity and credentials, and a claim naming exactly
@@ -67,7 +58,7 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     [container] = c.kubelet.of("offline")
     assert sorted(container.devices) == sorted(f"{g.node}/gpu-{g.index}" for g in view.allocated)
     assert container.env["GPUSCHED_JOB_ID"] == job
-    await eventually(lambda: _async(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
+    await eventually(lambda: now(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
 
     # A watch expiry: the history is compacted and the watches cut; the agent lists again.
     c.api.compact()
@@ -77,7 +68,7 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     # the p2 job is the victim, evicted through the Eviction API after its checkpoint.
     c.inference_util = 0.95
     [completed] = await eventually(
-        lambda: _async(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
+        lambda: now(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
     )
     assert completed["checkpoint"]["checkpoint_id"]
     evictions = [
@@ -90,26 +81,26 @@ async def test_a_kubectl_pod_is_bound_evicted_after_its_checkpoint_and_resumed_o
     assert confirmed and evict_at is not None and confirmed[0] < evict_at
     [stopped] = c.bus.of(T.WORKLOAD_STOPPED, job_id=job, reason="evicted")
     assert stopped["saga_id"] == completed["saga_id"]
-    await eventually(lambda: _async(c.api.get("pods", "offline", "default") is None), within=30)
+    await eventually(lambda: now(c.api.get("pods", "offline", "default") is None), within=30)
     assert not c.bus.of(T.CHECKPOINT_REQUESTED, job_id=other)
 
     # The surge ends: the GPUs go back and the job is placed again, on a new pod made
     # from its template, resumed from the checkpoint it confirmed.
     c.inference_util = 0.1
-    await eventually(lambda: _running(c, job, attempt=2), within=90)
+    await eventually(lambda: running(c, job, attempt=2), within=90)
     await eventually(
-        lambda: _async(
+        lambda: now(
             (c.api.get("pods", "offline-a2", "default") or {}).get("spec", {}).get("nodeName")
         ),
         within=30,
     )
-    [resumed] = await eventually(lambda: _async(c.kubelet.of("offline-a2")), within=30)
+    [resumed] = await eventually(lambda: now(c.kubelet.of("offline-a2")), within=30)
     assert resumed.env["GPUSCHED_RESUME_CHECKPOINT_ID"] == completed["checkpoint"]["checkpoint_id"]
     # The container reads its checkpoint as it starts, just after the kubelet made it.
-    await eventually(lambda: _async(resumed.resumed_from_step is not None), within=30)
+    await eventually(lambda: now(resumed.resumed_from_step is not None), within=30)
     assert resumed.resumed_from_step == completed["checkpoint"]["step"]
     started = await eventually(
-        lambda: _async([d for d in c.bus.of(T.JOB_STARTED, job_id=job) if d.get("resumed_from")]),
+        lambda: now([d for d in c.bus.of(T.JOB_STARTED, job_id=job) if d.get("resumed_from")]),
         within=30,
     )
     assert started[-1]["resumed_from"] == completed["checkpoint"]["checkpoint_id"]
@@ -157,19 +148,19 @@ async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
         },
     )
     guarded, other = await c.job_of("guarded"), await c.job_of("other")
-    await eventually(lambda: _async(c.kubelet.of("guarded") and c.kubelet.of("other")), within=60)
+    await eventually(lambda: now(c.kubelet.of("guarded") and c.kubelet.of("other")), within=60)
 
     # The surge picks the p2 job; the Eviction API refuses (429), the agent retries, then
     # tells the saga, which handles it as the evict failure it knows; the pod runs on.
     c.inference_util = 0.95
-    [failed] = await eventually(lambda: _async(c.bus.of(T.EVICT_FAILED, job_id=guarded)), within=90)
+    [failed] = await eventually(lambda: now(c.bus.of(T.EVICT_FAILED, job_id=guarded)), within=90)
     assert "disruption budget" in failed["error"]
     refused = [p for m, p in c.api.requests if m == "POST" and p.endswith("/pods/guarded/eviction")]
     assert len(refused) >= 2  # retried before giving up
     pod = c.api.get("pods", "guarded", "default")
     assert pod is not None and "deletionTimestamp" not in pod["metadata"]
     c.inference_util = 0.1
-    running = [
+    live = [
         a for a in {(await c.job(guarded)).allocation_id, (await c.job(other)).allocation_id} if a
     ]
 
@@ -177,11 +168,11 @@ async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
     # that ran is interrupted.
     readies = len(c.bus.of(T.AGENT_READY))
     c.stack.kill("agent")
-    await eventually(lambda: _async(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
+    await eventually(lambda: now(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
     ready = c.bus.of(T.AGENT_READY)[-1]
     guarded_alloc = (await c.job(guarded)).allocation_id
     assert guarded_alloc in ready["running"]
-    assert set(ready["running"]) >= {a for a in running if a == guarded_alloc}
+    assert set(ready["running"]) >= {a for a in live if a == guarded_alloc}
     assert await c.state(guarded) == "running"
 
     # The guarded pod's node goes NotReady: admission fails it and requeues its job.
@@ -200,21 +191,21 @@ async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
 
     c.api.mutate("nodes", node, "", not_ready)
     await eventually(lambda: _node_change(c, node, "failed"), within=30)
-    await eventually(lambda: _async(c.bus.of(T.ALLOCATION_RELEASED, job_id=guarded)), within=30)
+    await eventually(lambda: now(c.bus.of(T.ALLOCATION_RELEASED, job_id=guarded)), within=30)
     # Its allocation ended, so its pod must not run on: the agent deletes it. The node's
     # kubelet is away, so the pod stays Terminating, as Kubernetes keeps it.
     await eventually(
-        lambda: _async(
+        lambda: now(
             "deletionTimestamp"
             in (c.api.get("pods", "guarded", "default") or {}).get("metadata", {})
         ),
         within=30,
     )
-    await eventually(lambda: _async(c.events("guarded", "GpuschedReleased")), within=30)
+    await eventually(lambda: now(c.events("guarded", "GpuschedReleased")), within=30)
     # A restarted agent does not report the pod on the failed node as running.
     readies = len(c.bus.of(T.AGENT_READY))
     c.stack.kill("agent")
-    await eventually(lambda: _async(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
+    await eventually(lambda: now(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
     assert guarded_alloc not in c.bus.of(T.AGENT_READY)[-1]["running"]
 
     # The node comes back: its kubelet stops the deleted pod's container, and the job
@@ -227,11 +218,11 @@ async def test_cordon_pdb_refusal_agent_restart_notready_and_node_deletion(
         ]
 
     c.api.mutate("nodes", node, "", ready_again)
-    await eventually(lambda: _async(c.api.get("pods", "guarded", "default") is None), within=30)
+    await eventually(lambda: now(c.api.get("pods", "guarded", "default") is None), within=30)
     [old] = c.kubelet.of("guarded")
     assert old.task is not None and old.task.done()
-    await eventually(lambda: _running(c, guarded, attempt=2), within=60)
-    [again] = await eventually(lambda: _async(c.kubelet.of("guarded-a2")), within=30)
+    await eventually(lambda: running(c, guarded, attempt=2), within=60)
+    [again] = await eventually(lambda: now(c.kubelet.of("guarded-a2")), within=30)
     assert again.task is not None and not again.task.done()
 
     # Deleted from the cluster: removed from admission's inventory.

@@ -19,7 +19,7 @@ from gpusched.contracts.messages import T
 from tests.support.kubelet import Container, training_pod
 from tests.support.waiting import eventually
 
-from .conftest import NODES, Cluster
+from .conftest import NODES, Cluster, now, running
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,15 +27,6 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture
 def cluster_inventory() -> None:
     return None  # admission's inventory comes from the agent alone
-
-
-async def _async(value: Any) -> Any:
-    return value
-
-
-async def _running(c: Cluster, job_id: str, attempt: int = 1) -> bool:
-    job = await c.job(job_id)
-    return bool(job.state == "running" and job.attempt >= attempt)
 
 
 async def _inventory_is_the_clusters(c: Cluster) -> None:
@@ -48,9 +39,9 @@ async def _inventory_is_the_clusters(c: Cluster) -> None:
 
 
 async def _resumed(c: Cluster, pod: str, checkpoint: dict[str, Any]) -> Container:
-    [container] = await eventually(lambda: _async(c.kubelet.of(pod)), within=60)
+    [container] = await eventually(lambda: now(c.kubelet.of(pod)), within=60)
     assert container.env["GPUSCHED_RESUME_CHECKPOINT_ID"] == checkpoint["checkpoint_id"]
-    await eventually(lambda: _async(container.resumed_from_step is not None), within=30)
+    await eventually(lambda: now(container.resumed_from_step is not None), within=30)
     assert container.resumed_from_step == checkpoint["step"]
     return container
 
@@ -97,24 +88,24 @@ async def test_a_gangs_pods_are_bound_all_or_none_evicted_together_and_resumed_a
     await c.kubectl.create_namespaced_pod("default", pods[1])
     job = await c.job_of("llm-0")
     assert await c.job_of("llm-1") == job
-    await eventually(lambda: _running(c, job), within=60)
+    await eventually(lambda: running(c, job), within=60)
     view = await c.job(job)
     assert view.gpus.count == 16
-    bound = await eventually(lambda: _async(_nodes(c, "llm-0", "llm-1")), within=30)
+    bound = await eventually(lambda: now(_nodes(c, "llm-0", "llm-1")), within=30)
     assert sorted(bound.values()) == ["shared-00", "shared-01"]
     for name in ("llm-0", "llm-1"):
-        [container] = await eventually(lambda n=name: _async(c.kubelet.of(n)), within=30)
+        [container] = await eventually(lambda n=name: now(c.kubelet.of(n)), within=30)
         node = bound[name]
         assert sorted(container.devices) == sorted(
             f"{g.node}/gpu-{g.index}" for g in view.allocated if g.node == node
         )
-    await eventually(lambda: _async(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
+    await eventually(lambda: now(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
 
     # A surge: the gang is the shared pool's only job; both its pods go, through the
     # Eviction API, once rank 0 confirmed the checkpoint the saga asked for.
     c.inference_util = 0.95
     [completed] = await eventually(
-        lambda: _async(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
+        lambda: now(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
     )
     assert _evictions(c, "llm-0") and _evictions(c, "llm-1")
     [request] = c.bus.of(T.CHECKPOINT_REQUESTED, job_id=job)
@@ -125,16 +116,16 @@ async def test_a_gangs_pods_are_bound_all_or_none_evicted_together_and_resumed_a
     [stopped] = c.bus.of(T.WORKLOAD_STOPPED, job_id=job)
     assert stopped["reason"] == "evicted" and stopped["saga_id"] == completed["saga_id"]
     for name in ("llm-0", "llm-1"):
-        await eventually(lambda n=name: _async(c.api.get("pods", n, "default") is None), within=30)
+        await eventually(lambda n=name: now(c.api.get("pods", n, "default") is None), within=30)
 
     # The surge ends: the gang is placed again, whole, as two new pods made from its
     # templates, and rank 0 resumes from the checkpoint it confirmed.
     c.inference_util = 0.1
-    await eventually(lambda: _running(c, job, attempt=2), within=90)
-    again = await eventually(lambda: _async(_nodes(c, "llm-0-a2", "llm-1-a2")), within=30)
+    await eventually(lambda: running(c, job, attempt=2), within=90)
+    again = await eventually(lambda: now(_nodes(c, "llm-0-a2", "llm-1-a2")), within=30)
     assert sorted(again.values()) == ["shared-00", "shared-01"]
     await _resumed(c, "llm-0-a2", completed["checkpoint"])
-    [worker] = await eventually(lambda: _async(c.kubelet.of("llm-1-a2")), within=30)
+    [worker] = await eventually(lambda: now(c.kubelet.of("llm-1-a2")), within=30)
     assert worker.role == "worker" and worker.env["GPUSCHED_ATTEMPT"] == "2"
     assert (
         c.bus.of(T.WORKLOAD_STARTED, job_id=job)[-1]["allocation_id"]
@@ -184,7 +175,7 @@ async def test_a_batch_jobs_pod_is_evicted_and_its_controllers_next_pod_resumes(
     await c.kubectl.create_namespaced_pod("default", filler)
 
     [first] = await eventually(
-        lambda: _async(c.jobs_controller.pods_of("default", "finetune")), within=30
+        lambda: now(c.jobs_controller.pods_of("default", "finetune")), within=30
     )
     job = await c.job_of(first)
     pod = c.api.get("pods", first, "default")
@@ -192,29 +183,27 @@ async def test_a_batch_jobs_pod_is_evicted_and_its_controllers_next_pod_resumes(
     [owner] = pod["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["controller"]) == ("Job", "finetune", True)
     filled = await c.job_of("filler")
-    await eventually(lambda: _running(c, job), within=60)
-    await eventually(lambda: _running(c, filled), within=60)
-    await eventually(lambda: _async(c.kubelet.of(first)), within=30)
-    await eventually(lambda: _async(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
+    await eventually(lambda: running(c, job), within=60)
+    await eventually(lambda: running(c, filled), within=60)
+    await eventually(lambda: now(c.kubelet.of(first)), within=30)
+    await eventually(lambda: now(c.bus.of(T.JOB_STARTED, job_id=job)), within=30)
 
     c.inference_util = 0.95
     [completed] = await eventually(
-        lambda: _async(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
+        lambda: now(c.bus.of(T.EVICTION_COMPLETED, job_id=job)), within=90
     )
     assert _evictions(c, first)
     # The Job's controller made the next pod; the agent found it the same gpusched job
     # (its submit had the Job's key) and binds it when admission places the job again.
     second = await eventually(
-        lambda: _async(next(iter(c.jobs_controller.pods_of("default", "finetune")[1:]), None)),
+        lambda: now(next(iter(c.jobs_controller.pods_of("default", "finetune")[1:]), None)),
         within=30,
     )
     assert await c.job_of(second) == job
     c.inference_util = 0.1
-    await eventually(lambda: _running(c, job, attempt=2), within=90)
+    await eventually(lambda: running(c, job, attempt=2), within=90)
     await eventually(
-        lambda: _async(
-            (c.api.get("pods", second, "default") or {}).get("spec", {}).get("nodeName")
-        ),
+        lambda: now((c.api.get("pods", second, "default") or {}).get("spec", {}).get("nodeName")),
         within=30,
     )
     await _resumed(c, second, completed["checkpoint"])

@@ -12,7 +12,7 @@ from gpusched.contracts.messages import T
 from tests.support.kubelet import training_pod
 from tests.support.waiting import eventually
 
-from .conftest import Cluster
+from .conftest import Cluster, now
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -20,10 +20,6 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture
 def cluster_inventory() -> None:
     return None  # admission's inventory comes from the agent alone
-
-
-async def _async(value: Any) -> Any:
-    return value
 
 
 def _service_pod(c: Cluster, replicas: str) -> dict[str, Any]:
@@ -78,7 +74,7 @@ async def test_an_inference_service_runs_one_pod_per_replica_scaled_by_admission
     pods = _pods_of(c, job)
     assert "web" in pods and all(n == "web" or n.startswith("web-r") for n in pods)
     for name in pods:
-        await eventually(lambda n=name: _async(c.kubelet.of(n)), within=30)
+        await eventually(lambda n=name: now(c.kubelet.of(n)), within=30)
     devices = [d for name in pods for container in c.kubelet.of(name) for d in container.devices]
     assert len(devices) == len(set(devices)) == 4
     assert {d.split("/")[0] for d in devices} == {"inf-00"}
@@ -96,12 +92,12 @@ async def test_an_inference_service_runs_one_pod_per_replica_scaled_by_admission
     await eventually(lambda: _each_replica_one_bound_pod(c, job, 3), within=60)
     [added] = set(_pods_of(c, job)) - kept
     assert added.startswith("web-r")
-    await eventually(lambda: _async(c.kubelet.of(added)), within=30)
+    await eventually(lambda: now(c.kubelet.of(added)), within=30)
 
     # kill -9 of the agent: the new one reports exactly the live replicas as running.
     readies = len(c.bus.of(T.AGENT_READY))
     c.stack.kill("agent")
-    await eventually(lambda: _async(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
+    await eventually(lambda: now(len(c.bus.of(T.AGENT_READY)) > readies), within=60)
     ready = c.bus.of(T.AGENT_READY)[-1]
     assert sorted(ready["running"]) == sorted(await _live(c, job))
 
@@ -110,7 +106,7 @@ async def test_an_inference_service_runs_one_pod_per_replica_scaled_by_admission
         "api.jobs.cancel", {"job_id": job, "operator": "e2e", "reason": "the test is done"}
     )
     assert reply["ok"], reply
-    await eventually(lambda: _async(not _pods_of(c, job)), within=60)
+    await eventually(lambda: now(not _pods_of(c, job)), within=60)
     await eventually(lambda: _state_is(c, job, "cancelled"), within=60)
 
 
@@ -133,10 +129,10 @@ async def test_a_deployments_pods_are_refused_saying_how_to_write_a_service_and_
         pod["metadata"]["ownerReferences"] = [owner]
         await c.kubectl.create_namespaced_pod("default", pod)
     for name in ("web-7d9-a", "web-7d9-b"):
-        [event] = await eventually(lambda n=name: _async(c.events(n, "GpuschedRefused")), within=30)
+        [event] = await eventually(lambda n=name: now(c.events(n, "GpuschedRefused")), within=30)
         assert "gpusched.io/replicas" in event["message"]
     # Scaled down to one pod, the one left is the job.
     await c.kubectl.delete_namespaced_pod("web-7d9-b", "default")
     job = await c.job_of("web-7d9-a")
-    await eventually(lambda: _async(c.kubelet.of("web-7d9-a")), within=60)
+    await eventually(lambda: now(c.kubelet.of("web-7d9-a")), within=60)
     assert (await c.job(job)).state == "running"

@@ -24,6 +24,7 @@ from tests.security.test_attacks import (
     own_identities,
     request,
 )
+from tests.service.test_admission_inventory_source import NODE
 from tests.support.admission import Admission
 
 from gpusched.contracts.subjects import Subjects
@@ -34,15 +35,6 @@ from gpusched.infra.settings import Settings
 __all__ = ["admission", "harness", "own_identities"]  # the fixtures this module uses
 
 pytestmark = pytest.mark.timeout(120)
-
-NODE = {
-    "name": "gpu-17",
-    "pool": "shared",
-    "gpu_model": "A100-80GB",
-    "gpus": 4,
-    "cpu_milli": 64000,
-    "memory_mib": 524288,
-}
 
 
 def as_agent(servers: Servers, *teams: str) -> str:
