@@ -119,20 +119,23 @@ async def test_a_deployments_pods_are_refused_saying_how_to_write_a_service_and_
 ) -> None:
     c = cluster
     # Two pods of one ReplicaSet (a Deployment of gpusched pods): one submission key, so
-    # one gpusched job only one of them could run. Refused, both, with the way out.
+    # one gpusched job only one of them could run. A pod of it seen with a sibling is
+    # refused, with the way out (the first may have been submitted before the second
+    # existed: it is the job).
     owner = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-7d9",
              "uid": "3f1c0c7e-rs", "controller": True}  # fmt: skip
-    for name in ("web-7d9-a", "web-7d9-b"):
+    names = ("web-7d9-a", "web-7d9-b")
+    for name in names:
         pod = _service_pod(c, "1")
         pod["metadata"]["name"] = name
         pod["metadata"]["labels"].pop("gpusched.io/replicas")
         pod["metadata"]["ownerReferences"] = [owner]
         await c.kubectl.create_namespaced_pod("default", pod)
-    for name in ("web-7d9-a", "web-7d9-b"):
-        [event] = await eventually(lambda n=name: now(c.events(n, "GpuschedRefused")), within=30)
-        assert "gpusched.io/replicas" in event["message"]
-    # Scaled down to one pod, the one left is the job.
+    [event] = await eventually(lambda: now(c.events("web-7d9-b", "GpuschedRefused")), within=30)
+    assert "gpusched.io/replicas" in event["message"] and "a gang" in event["message"]
+    # Scaled down to one pod: the one left is the job, and runs.
     await c.kubectl.delete_namespaced_pod("web-7d9-b", "default")
     job = await c.job_of("web-7d9-a")
     await eventually(lambda: now(c.kubelet.of("web-7d9-a")), within=60)
     assert (await c.job(job)).state == "running"
+    assert len({d["job_id"] for d in c.bus.of(T.WORKLOAD_STARTED)}) == 1
