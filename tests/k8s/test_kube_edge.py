@@ -45,13 +45,28 @@ async def test_a_stale_update_is_a_conflict_and_an_unknown_pod_not_found(
     api: tuple[KubeApiStandIn, Kube],
 ) -> None:
     _, kube = api
-    pod = training_pod("p", team="t", priority="p1-normal", gpus=1, checkpoint_dir=Path("/c"))
-    created = await kube.create_pod("ml", pod)
-    await kube.replace_pod(created)  # its version is current
+    secret = {"metadata": {"name": "s", "namespace": "ml"}, "data": {}}
+    created = await kube.create_secret("ml", secret)
+    await kube.replace_secret(created)  # its version is current
     with pytest.raises(Conflict):
-        await kube.replace_pod(created)  # now it is stale
+        await kube.replace_secret(created)  # now it is stale
     with pytest.raises(NotFound):
         await kube.get_pod("ml", "nope")
+
+
+async def test_annotations_are_merged_into_a_pod_and_a_null_removes_one(
+    api: tuple[KubeApiStandIn, Kube],
+) -> None:
+    server, kube = api
+    pod = training_pod("p", team="t", priority="p1-normal", gpus=1, checkpoint_dir=Path("/c"))
+    await kube.create_pod("ml", pod)
+    await kube.patch_pod_annotations("ml", "p", {"gpusched.io/refused": "no team"})
+    await kube.patch_pod_annotations(
+        "ml", "p", {"gpusched.io/job-id": "job-1", "gpusched.io/refused": None}
+    )
+    notes = (server.get("pods", "p", "ml") or {})["metadata"]["annotations"]
+    assert notes["gpusched.io/job-id"] == "job-1" and "gpusched.io/refused" not in notes
+    assert notes["gpusched.io/checkpoint-dir"] == "/c"  # the rest of the pod untouched
 
 
 async def test_binding_a_bound_pod_is_a_conflict(api: tuple[KubeApiStandIn, Kube]) -> None:

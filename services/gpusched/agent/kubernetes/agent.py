@@ -14,8 +14,9 @@ here are the calls and the bookkeeping that makes every handler idempotent:
   so a restarted agent finds which pods run which allocation;
 - envelope ids are deterministic (publisher.event_id), so a report sent again after a
   restart or a redelivery is dropped by JetStream and by every consumer's inbox;
-- updates carry the object's resourceVersion and are retried on 409 Conflict; an
-  unreachable API is an outage (`Unavailable`): the command is applied again later.
+- updates carry the object's resourceVersion and are retried on 409 Conflict (a pod's
+  annotations are merged in, which needs none); an unreachable API is an outage
+  (`Unavailable`): the command is applied again later.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ _REQUEST_S = 10.0
 _RESEND_S = 20.0
 _CONFLICT_RETRIES = 5
 _REMEMBERED_STOPS = 10_000
+_SUBMITS_AT_ONCE = 16
 # How long a start waits for a Job controller to make the pods of a later attempt.
 _CONTROLLER_POD_WAIT_S = 30.0
 
@@ -414,6 +416,7 @@ class KubernetesAgent:
                 and (key not in pods or (pods[key].owner or Owner("", "", "")).uid not in crowded)
             )
         )
+        ready: list[list[GpuschedPod]] = []
         for members in groups.values():
             if any(m.key in self._refused for m in members):
                 continue
@@ -423,12 +426,24 @@ class KubernetesAgent:
                 continue
             if members[0].gang and len(members) < members[0].gang_size:
                 continue  # the rest of the gang is not created yet
-            try:
-                await self._submit(members)
-            except Unavailable:
-                raise
-            except Exception as exc:
-                log.warning("submitting %s failed: %r", [m.name for m in members], exc)
+            ready.append(members)
+        # Several at once: admission commits concurrent submits together, and each
+        # submit is mostly waiting on it and on the API.
+        limit = asyncio.Semaphore(_SUBMITS_AT_ONCE)
+
+        async def submit(members: list[GpuschedPod]) -> None:
+            async with limit:
+                try:
+                    await self._submit(members)
+                except Unavailable:
+                    raise
+                except Exception as exc:
+                    log.warning("submitting %s failed: %r", [m.name for m in members], exc)
+
+        outcomes = await asyncio.gather(*(submit(m) for m in ready), return_exceptions=True)
+        for failed in outcomes:
+            if isinstance(failed, BaseException):
+                raise failed  # an outage: the pass is tried again
         for alloc, members in by_alloc.items():
             try:
                 if alloc in self._released:
@@ -509,21 +524,8 @@ class KubernetesAgent:
         await self._audit("k8s.pod_refused", ",".join(m.name for m in members), why, {})
 
     async def _annotate(self, namespace: str, name: str, notes: dict[str, str | None]) -> Obj:
-        """Set annotations (None: remove one) with the pod's resourceVersion; a 409
-        (someone changed the pod meanwhile) reads it again and retries."""
-        for _ in range(_CONFLICT_RETRIES):
-            pod = await self.kube.get_pod(namespace, name)
-            current = pod["metadata"].setdefault("annotations", {})
-            for key, value in notes.items():
-                if value is None:
-                    current.pop(key, None)
-                else:
-                    current[key] = value
-            try:
-                return await self.kube.replace_pod(pod)
-            except Conflict:
-                continue
-        raise Unavailable(f"pod {namespace}/{name} kept changing under {_CONFLICT_RETRIES} updates")
+        """Set annotations (None: remove one)."""
+        return await self.kube.patch_pod_annotations(namespace, name, notes)
 
     async def _report(self, alloc: str, members: list[GpuschedPod]) -> None:
         if alloc in self._stopped:
@@ -736,6 +738,21 @@ class KubernetesAgent:
             raise StartFailed(f"its {spec['controller']} made no pod for attempt {start.attempt}")
         if not templates:
             raise StartFailed("the job has no pod and no pod template")
+        for tmpl in templates:
+            meta = tmpl.get("metadata") or {}
+            key = (str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
+            original = self._pods().get(key)
+            if (
+                original is not None
+                and original.job_id is None
+                and not original.bound
+                and not original.deleting
+                and key not in self._refused
+            ):
+                # The pod this job was submitted for is not annotated yet (the submit's
+                # reply raced the placement, or a restarted agent submits it again): it
+                # is the one to bind, not a copy of it. Applied again shortly.
+                raise Unavailable(f"pod {key[1]} is being submitted; its start waits for it")
         granted = self._granted.get(start.allocation_id)
         created = []
         for tmpl in templates:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gpusched.agent.feed import caught_up, follow_admission
 from gpusched.agent.publisher import Publisher
+from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import bus, tls
 from gpusched.infra.runtime import ServiceRuntime
@@ -91,6 +92,9 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
             durable="agent-commands",
             stream=s.stream("COMMANDS"),
             subjects=[s.commands_for(NAME)],
+            # One job's commands in order (its start before its evict, its renewals),
+            # different jobs' at once: a start is mostly waits on the API.
+            key=command_key,
             edge_handlers={
                 T.START_WORKLOAD: agent.on_start,
                 T.RENEW_CREDENTIALS: agent.on_renew_credentials,
@@ -120,6 +124,16 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
     rt.every("ready", _READY_CHECK_S, announce)
     rt.on_close(agent.close)
     return agent
+
+
+def command_key(envelope: Envelope) -> str | None:
+    """The job a workload command is for; a MIG command's node (its layout is one
+    ConfigMap entry per node, read and written whole)."""
+    data = envelope.data if isinstance(envelope.data, dict) else {}
+    if envelope.type == T.MIG_CONFIGURE:
+        return f"node:{data.get('node')}"
+    job = data.get("job_id")
+    return f"job:{job}" if isinstance(job, str) else None
 
 
 async def _until(stopping: asyncio.Event, work: Coroutine[Any, Any, None]) -> None:

@@ -40,7 +40,7 @@ API_CALLS: dict[tuple[str, str], frozenset[str]] = {
     ("", "nodes"): frozenset({"list", "watch", "patch"}),
     # A namespace's gpusched.io/team label (set by an operator) is its pods' team.
     ("", "namespaces"): frozenset({"list", "watch"}),
-    ("", "pods"): frozenset({"get", "list", "watch", "create", "update", "delete"}),
+    ("", "pods"): frozenset({"get", "list", "watch", "create", "patch", "delete"}),
     ("", "pods/binding"): frozenset({"create"}),
     ("", "pods/eviction"): frozenset({"create"}),
     ("", "secrets"): frozenset({"get", "create", "update"}),
@@ -176,11 +176,13 @@ class Kube:
     async def create_pod(self, namespace: str, pod: Obj) -> Obj:
         return await self._call(self.core.create_namespaced_pod, namespace, pod)
 
-    async def replace_pod(self, pod: Obj) -> Obj:
-        meta = pod["metadata"]
-        return await self._call(
-            self.core.replace_namespaced_pod, meta["name"], meta["namespace"], pod
-        )
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, notes: dict[str, str | None]
+    ) -> Obj:
+        """Set annotations (None: remove one) in one call: a merge of the annotations
+        only, so nothing else of the pod is written and no resourceVersion is needed."""
+        body = {"metadata": {"annotations": notes}}
+        return await self._call(self.core.patch_namespaced_pod, name, namespace, body)
 
     async def delete_pod(self, namespace: str, name: str, grace_s: int | None = None) -> Obj:
         kwargs: dict[str, Any] = {} if grace_s is None else {"grace_period_seconds": grace_s}
