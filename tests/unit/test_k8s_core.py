@@ -310,7 +310,7 @@ def test_a_later_attempt_is_the_same_pod_without_its_node_and_handle() -> None:
     pod = wired(_pod(), "gpusched-aaaa")
     pod["spec"]["nodeName"] = "a"
     nxt = successor(pod, "a3", "job-1")
-    assert nxt["metadata"]["name"] == "train-a3"
+    assert nxt["metadata"]["name"] == "train-a3" and "uid" not in nxt["metadata"]
     assert "nodeName" not in nxt["spec"]
     assert nxt["metadata"]["annotations"][L.JOB_ID] == "job-1"
     assert successor(nxt, "a4", "job-1")["metadata"]["name"] == "train-a4"

@@ -744,6 +744,7 @@ class KubernetesAgent:
             original = self._pods().get(key)
             if (
                 original is not None
+                and original.uid == meta.get("uid")
                 and original.job_id is None
                 and not original.bound
                 and not original.deleting

@@ -312,6 +312,8 @@ def template(pod: Mapping[str, Any]) -> Obj:
         "metadata": {
             "name": meta.get("name"),
             "namespace": meta.get("namespace"),
+            # Which pod the job was submitted for (its first attempt runs on it).
+            "uid": meta.get("uid"),
             "labels": dict(meta.get("labels") or {}),
             "annotations": notes,
         },
@@ -502,6 +504,7 @@ def successor(last: Mapping[str, Any], suffix: str, job_id: str) -> Obj:
     webhook gives it a new handle when it is created."""
     tmpl = copy.deepcopy(dict(last))
     meta = tmpl.setdefault("metadata", {})
+    meta.pop("uid", None)  # a new pod: the API server gives it its own
     base = re.sub(r"-[ar][0-9]+$", "", str(meta.get("name") or "pod"))
     meta["name"] = f"{base[:240]}-{suffix}"
     meta.setdefault("annotations", {})[L.JOB_ID] = job_id
