@@ -143,6 +143,16 @@ async def now(value: Any) -> Any:
     return value
 
 
+async def inventory_is_the_clusters(c: Cluster) -> None:
+    """Admission has every node of the cluster, added by the agent."""
+
+    async def added() -> bool:
+        names = {d["node"]["name"] for d in c.bus.of(T.INVENTORY_CHANGED, change="added")}
+        return names >= {name for name, _ in NODES}
+
+    await eventually(added, within=60)
+
+
 async def running(c: Cluster, job_id: str, attempt: int = 1) -> bool:
     """The job runs (admission placed it), in `attempt` or a later one."""
     job = await c.job(job_id)

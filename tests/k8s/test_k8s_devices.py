@@ -110,6 +110,34 @@ async def test_an_inference_pod_gets_a_mig_slice_the_mig_manager_laid_out(
     assert device.startswith(f"inf-00/gpu-{configure['gpu']}-mig-2g20gb-")
 
 
+async def test_two_fractions_share_one_gpu_each_with_its_mps_limits_in_its_environment(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    jobs = []
+    for name in ("half-a", "half-b"):
+        pod = training_pod(
+            name, team="e2e", priority="p1-normal", gpus=1, checkpoint_dir=c.checkpoints
+        )
+        pod["metadata"]["annotations"].update(
+            {"gpusched.io/gpu-milli": "500", "gpusched.io/gpu-memory-gib": "30"}
+        )
+        await c.kubectl.create_namespaced_pod("default", pod)
+        jobs.append(await c.job_of(name))
+    for job in jobs:
+        await eventually(lambda j=job: running(c, j), within=60)
+    containers = [
+        (await eventually(lambda n=name: now(c.kubelet.of(n)), within=30))[0]
+        for name in ("half-a", "half-b")
+    ]
+    # Admission packed both halves on one GPU; each pod's claim names it, and each gets
+    # its share as MPS limits (what Kubernetes alone cannot enforce: docs above).
+    assert containers[0].devices == containers[1].devices and len(containers[0].devices) == 1
+    for container in containers:
+        assert container.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert container.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
+
+
 async def test_a_claim_allocated_to_other_devices_is_corrected_and_said(cluster: Cluster) -> None:
     c = cluster
     # Both shared nodes cordoned: the pod waits, wired by the webhook, not placed.

@@ -19,7 +19,7 @@ from gpusched.contracts.messages import T
 from tests.support.kubelet import Container, training_pod
 from tests.support.waiting import eventually
 
-from .conftest import NODES, Cluster, now, running
+from .conftest import Cluster, inventory_is_the_clusters, now, running
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,11 +30,7 @@ def cluster_inventory() -> None:
 
 
 async def _inventory_is_the_clusters(c: Cluster) -> None:
-    async def added() -> bool:
-        names = {d["node"]["name"] for d in c.bus.of(T.INVENTORY_CHANGED, change="added")}
-        return names >= {name for name, _ in NODES}
-
-    await eventually(added, within=60)
+    await inventory_is_the_clusters(c)
     assert not c.bus.of(T.INVENTORY_LOADED)  # no file was read
 
 

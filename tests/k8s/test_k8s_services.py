@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from gpusched.contracts.messages import T
+from gpusched.contracts.messages import GpuRequest, SubmitJob, T, WorkloadSpec
 from tests.support.kubelet import training_pod
 from tests.support.waiting import eventually
 
-from .conftest import Cluster, now
+from .conftest import Cluster, inventory_is_the_clusters, now, running
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -139,3 +139,46 @@ async def test_a_deployments_pods_are_refused_saying_how_to_write_a_service_and_
     await eventually(lambda: now(c.kubelet.of("web-7d9-a")), within=60)
     assert (await c.job(job)).state == "running"
     assert len({d["job_id"] for d in c.bus.of(T.WORKLOAD_STARTED)}) == 1
+
+
+async def test_a_job_submitted_with_a_pod_template_runs_as_a_pod_in_its_teams_namespace_only(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+
+    def submitted(name: str, namespace: str) -> SubmitJob:
+        pod = training_pod(
+            name, team="e2e", priority="p1-normal", gpus=2, checkpoint_dir=c.checkpoints
+        )
+        pod["metadata"]["namespace"] = namespace
+        return SubmitJob(
+            name=name,
+            team="e2e",
+            gpus=GpuRequest(count=2),
+            workload=WorkloadSpec(kind="pod", pod={"pods": [pod], "controller": None}),
+        )
+
+    # Through gpusched's own API: the agent makes the pod from the template, in the
+    # template's namespace (team e2e's), and binds it.
+    await inventory_is_the_clusters(c)
+    reply = await c.jobs.submit(submitted("from-api", "ml"))
+    assert reply.ok and reply.job_id, reply
+    await eventually(lambda: running(c, reply.job_id), within=60)  # type: ignore[arg-type]
+    made = await eventually(
+        lambda: now((c.api.get("pods", "from-api-a1", "ml") or {}).get("spec", {}).get("nodeName")),
+        within=30,
+    )
+    assert made in ("shared-00", "shared-01")
+    await eventually(lambda: now(c.kubelet.of("from-api-a1")), within=30)
+    # A template in another team's namespace is not made: the start fails, saying why.
+    other = await c.jobs.submit(submitted("elsewhere", "research"))
+    assert other.ok and other.job_id, other
+    [stopped] = await eventually(
+        lambda: now(c.bus.of(T.WORKLOAD_STOPPED, job_id=other.job_id)), within=60
+    )
+    assert stopped["reason"] == "failed"
+    [audit] = await eventually(lambda: now(c.audits("k8s.start_failed")), within=30)
+    assert "claims another team than namespace research's" in audit["reason"]
+    assert not [
+        p for p in c.api.list("pods", "research") if p["metadata"]["name"].startswith("elsewhere")
+    ]
