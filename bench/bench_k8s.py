@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import ssl
 import statistics
 import time
 import uuid
@@ -36,15 +35,13 @@ from typing import Any
 
 from kubernetes_asyncio import client, config
 from tests.support.faults import own_servers_settings
-from tests.support.kubeapi import KubeApiStandIn, kubeconfig
+from tests.support.kubeapi import kubeconfig, serve_with_webhook
 from tests.support.kubelet import gpu_node, training_pod
-from tests.support.tls import make_pki
 
 from bench.harness import Context, Figure
 from gpusched.cli.client import ApiClient
 from gpusched.cli.stack import Stack
 from gpusched.infra import natsauth
-from gpusched.infra.embedded import free_port
 
 BENCH = "k8s"
 NODES = int(os.environ.get("BENCH_K8S_NODES", "64"))
@@ -87,16 +84,8 @@ def _pod(name: str, scheduler: str) -> dict[str, Any]:
 
 async def run(ctx: Context) -> list[Figure]:
     root = ctx.scratch / "k8s"
-    pki = make_pki(root / "pki")
-    webhook_port = free_port()
-    api = KubeApiStandIn(
-        bookmark_interval_s=1.0,
-        webhook_url=f"https://127.0.0.1:{webhook_port}/mutate",
-        webhook_ca=pki.ca_file,
-    )
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(pki.server_cert, pki.server_key)
-    url = await api.start(tls)
+    served = await serve_with_webhook(root / "pki", bookmark_interval_s=1.0)
+    api, url, pki, webhook_port = served.api, served.url, served.pki, served.webhook_port
     binds = _Binds()
     api.on_change.append(binds)
     for i in range(NODES):

@@ -32,10 +32,9 @@ from gpusched.infra.settings import Settings
 from tests.conftest import Servers
 from tests.e2e.test_main_flow import FAST, Recorder
 from tests.support.identity import harness_options
-from tests.support.kubeapi import KubeApiStandIn, kubeconfig
+from tests.support.kubeapi import KubeApiStandIn, kubeconfig, serve_with_webhook
 from tests.support.kubecontrollers import JobController, MigManager
 from tests.support.kubelet import Kubelet, gpu_node
-from tests.support.tls import make_pki
 from tests.support.waiting import eventually
 
 NODES = (("inf-00", "inference"), ("shared-00", "shared"), ("shared-01", "shared"))
@@ -224,20 +223,9 @@ async def cluster(
     cluster_inventory: tuple[tuple[str, str], ...] | None,
 ) -> AsyncIterator[Cluster]:
     from gpusched.infra import natsauth
-    from gpusched.infra.embedded import free_port
 
-    pki = make_pki(tmp_path / "pki")
-    webhook_port = free_port()
-    api = KubeApiStandIn(
-        bookmark_interval_s=0.5,
-        webhook_url=f"https://127.0.0.1:{webhook_port}/mutate",
-        webhook_ca=pki.ca_file,
-    )
-    import ssl
-
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(pki.server_cert, pki.server_key)
-    url = await api.start(context)
+    served = await serve_with_webhook(tmp_path / "pki", bookmark_interval_s=0.5)
+    api, url, pki, webhook_port = served.api, served.url, served.pki, served.webhook_port
     for name, pool in NODES:
         api.put("nodes", gpu_node(name, pool))
     for namespace, team in NAMESPACES.items():

@@ -811,6 +811,35 @@ class KubeApiStandIn:
         return pod
 
 
+@dataclass
+class Served:
+    """A stand-in serving HTTPS, whose pods are wired by a webhook on `webhook_port`
+    (served by the agent with `pki`'s server certificate)."""
+
+    api: KubeApiStandIn
+    url: str
+    pki: Any  # tests.support.tls.Pki
+    webhook_port: int
+
+
+async def serve_with_webhook(folder: Path, bookmark_interval_s: float) -> Served:
+    """Certificates in `folder`, a free port for the agent's webhook, and the stand-in
+    started over TLS, calling that webhook at every pod create."""
+    from gpusched.infra.embedded import free_port
+    from tests.support.tls import make_pki
+
+    pki = make_pki(folder)
+    webhook_port = free_port()
+    api = KubeApiStandIn(
+        bookmark_interval_s=bookmark_interval_s,
+        webhook_url=f"https://127.0.0.1:{webhook_port}/mutate",
+        webhook_ca=pki.ca_file,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    return Served(api, await api.start(context), pki, webhook_port)
+
+
 def kubeconfig(url: str, token: str, ca_file: Path | None, path: Path) -> Path:
     """A kubeconfig naming the stand-in, as `kubectl config view --raw` would write it."""
     cluster: Obj = {"server": url}
