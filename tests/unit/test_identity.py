@@ -42,3 +42,26 @@ def test_a_header_from_another_account_or_without_a_role_is_nobody() -> None:
         caller = caller_from_headers(headers, CLIENTS)
         assert caller.kind is CallerKind.UNKNOWN, headers
         assert not caller.is_operator and not caller.may_act_for("vision")
+
+
+def test_a_cluster_agent_submits_for_the_teams_its_credential_names_and_acts_for_none() -> None:
+    headers = {
+        REQUEST_INFO_HEADER: json.dumps(
+            {"acc": CLIENTS, "name_tag": "agent:k8s", "tags": ["team:vision", "team:nlp", "x"]}
+        )
+    }
+    caller = caller_from_headers(headers, CLIENTS)
+    assert caller.kind is CallerKind.AGENT and caller.name == "k8s"
+    assert caller.teams == {"vision", "nlp"}
+    assert caller.may_submit_for("vision") and not caller.may_submit_for("audio")
+    # Reading, cancelling or billing a team's jobs is not submitting.
+    assert not caller.may_act_for("vision") and not caller.is_operator
+
+
+def test_an_agent_without_team_tags_submits_for_no_team() -> None:
+    for tags in ([], "team:vision", [7, None, "team:"]):
+        headers = {
+            REQUEST_INFO_HEADER: json.dumps({"acc": CLIENTS, "name_tag": "agent:k8s", "tags": tags})
+        }
+        caller = caller_from_headers(headers, CLIENTS)
+        assert caller.kind is CallerKind.AGENT and not caller.may_submit_for("vision"), tags

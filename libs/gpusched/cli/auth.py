@@ -7,10 +7,12 @@ gpusched auth init DIR [--prefix P] [--force]
     the credentials are written again (a rotation); --force makes new keys, which
     invalidates every credential the old ones signed once NATS loads the new
     auth.conf.
-gpusched auth issue (--team T | --operator NAME | --node NODE) [--dir DIR]
-                    [--ttl SECONDS] [--out FILE]
-    Credentials for one team or operator (the API), or one node (its own telemetry
-    subject only). DIR defaults to the running stack's bundle.
+gpusched auth issue (--team T | --operator NAME | --node NODE | --agent NAME --teams T,..)
+                    [--dir DIR] [--ttl SECONDS] [--out FILE]
+    Credentials for one team or operator (the API), one node (its own telemetry
+    subject only), or a cluster agent (submits for the teams named, node commands;
+    the Kubernetes agent's GPUSCHED_AGENT__KUBERNETES__API_CREDENTIALS). DIR defaults
+    to the running stack's bundle.
 """
 
 from __future__ import annotations
@@ -80,11 +82,17 @@ def init(
     return 0
 
 
-@app.command("issue", help="Credentials for one team or operator (the API), or one node.")
+@app.command("issue", help="Credentials for one team or operator (the API), one node, or an agent.")
 def issue(
     team: Annotated[str | None, typer.Option(help="a team's credentials")] = None,
     operator: Annotated[str | None, typer.Option(help="an operator's credentials")] = None,
     node: Annotated[str | None, typer.Option(help="a node's (its own telemetry only)")] = None,
+    agent: Annotated[
+        str | None, typer.Option(help="a cluster agent's (submits for --teams only)")
+    ] = None,
+    teams: Annotated[
+        str | None, typer.Option(help="with --agent: the teams it submits for, comma-separated")
+    ] = None,
     dir: Annotated[Path | None, typer.Option(help="the bundle (default: the stack's)")] = None,
     prefix: Annotated[str | None, typer.Option(help="the subject prefix (nodes only)")] = None,
     ttl: Annotated[
@@ -100,8 +108,10 @@ def issue(
     from gpusched.infra import natsauth
     from gpusched.infra.natsauth import AuthError, Identity, node_user_name
 
-    if sum(x is not None for x in (team, operator, node)) != 1:
-        raise BadInput("give exactly one of --team, --operator and --node")
+    if sum(x is not None for x in (team, operator, node, agent)) != 1:
+        raise BadInput("give exactly one of --team, --operator, --node and --agent")
+    if (agent is None) != (teams is None):
+        raise BadInput("--teams goes with --agent (the teams the agent submits for)")
     settings = load_settings()
     bundle = _load(_bundle_dir(dir, settings))
     try:
@@ -112,6 +122,9 @@ def issue(
             creds = bundle.node_credentials_issuer().creds(identity)
         elif team is not None:
             creds = natsauth.issue_client(bundle, "team", team, ttl_s=ttl)
+        elif agent is not None:
+            named = [t.strip() for t in (teams or "").split(",") if t.strip()]
+            creds = natsauth.issue_client(bundle, "agent", agent, ttl_s=ttl, teams=named)
         else:
             assert operator is not None
             creds = natsauth.issue_client(bundle, "operator", operator, ttl_s=ttl)

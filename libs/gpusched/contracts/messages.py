@@ -250,9 +250,10 @@ class GpuRequest(Public):
 class WorkloadSpec(Public):
     """What the cluster agent runs. The simulated cluster understands the `sim`
     kind (a virtual training loop) and `process` (a real command, e.g. a PyTorch
-    script that uses the SDK)."""
+    script that uses the SDK); the Kubernetes agent runs `pod` (the pod templates in
+    `pod`: `{"pods": [{metadata, spec}, ...], "controller": kind or null}`)."""
 
-    kind: Literal["sim", "process"] = "sim"
+    kind: Literal["sim", "process", "pod"] = "sim"
     steps: Steps = 1000
     step_seconds: Seconds = Field(default=1.0, gt=0)
     checkpoint_seconds: Seconds = 0.5
@@ -260,6 +261,7 @@ class WorkloadSpec(Public):
     # jobs do periodically: a crash of its node or agent then loses at most that much.
     checkpoint_every_steps: Steps | None = None
     argv: Argv = Field(default_factory=list)
+    pod: Document | None = None
 
 
 class Replicas(Public):

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from gpusched.contracts.subjects import Subjects
 
 __all__ = [
+    "AGENT_NODE_VERBS",
     "INBOX_ROOT",
     "SERVICE_NAMES",
     "ConsumerGrant",
     "ServiceGrant",
     "admin_permissions",
+    "agent_client_permissions",
     "auditor_permissions",
     "client_permissions",
     "grants",
@@ -99,7 +101,9 @@ def grants() -> dict[str, ServiceGrant]:
         ),
         "agent": ServiceGrant(
             # The simulated cluster publishes its nodes' telemetry and, for the
-            # simulated jobs it runs in-process, their events.
+            # simulated jobs it runs in-process, their events. The Kubernetes agent's
+            # submits and node commands go through the API with a cluster agent's
+            # credential (agent_client_permissions), never as this service identity.
             publishes=("evt.agent.>", "telemetry.>", "jobs.*.events"),
             consumers=(c("COMMANDS", "agent-commands"),),
             # Its replay of admission's events and the control subjects of its
@@ -200,3 +204,16 @@ def client_permissions(name: str) -> tuple[list[str], list[str]]:
     """A team or operator (CLIENTS account): requests to the API, replies to itself.
     What each may ask is decided by the services from its identity (forbidden)."""
     return ["*.api.>"], [_inbox(name)]
+
+
+# The node commands a cluster agent may send (NodeVerb values; its nodes' health goes
+# as `node.health` events of the agent service).
+AGENT_NODE_VERBS = ("add", "drain", "undrain", "remove")
+
+
+def agent_client_permissions(name: str) -> tuple[list[str], list[str]]:
+    """A cluster agent's API credential (CLIENTS account, `agent:<name>`): it submits its
+    cluster's pods as jobs (admission accepts them only for the teams the credential
+    names) and keeps the node inventory to its cluster's nodes; nothing else."""
+    asks = ["*.api.jobs.submit", *(f"*.api.nodes.{verb}" for verb in AGENT_NODE_VERBS)]
+    return asks, [_inbox(name)]

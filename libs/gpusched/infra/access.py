@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from gpusched.contracts.identity import Caller, current_caller
+from gpusched.contracts.identity import Caller, CallerKind, current_caller
 from gpusched.contracts.messages import ApiError
 from gpusched.infra import metrics
 from gpusched.infra.db import UnitOfWorkFactory
@@ -49,11 +49,15 @@ def operators_only(
     action: str,
     endpoint: Callable[[bytes], Awaitable[R]],
     refused: Callable[[ApiError], R],
+    *,
+    agents: bool = False,
 ) -> Callable[[bytes], Awaitable[R]]:
-    """`endpoint` for operators (and the services); anyone else gets `refused(error)`."""
+    """`endpoint` for operators (and the services), and with `agents` for cluster agents
+    too; anyone else gets `refused(error)`."""
 
     async def guarded(raw: bytes) -> R:
-        if not caller().is_operator:
+        who = caller()
+        if not (who.is_operator or (agents and who.kind is CallerKind.AGENT)):
             return refused(await forbid(uow, action, action, "it is an operator command"))
         return await endpoint(raw)
 

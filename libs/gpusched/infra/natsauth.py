@@ -533,16 +533,38 @@ def connect_options(credentials: Path | None) -> dict[str, object]:
 ADMIN, AUDITOR, SIMULATOR, FIRST_OPERATOR = "admin", "auditor", "simulator", "operator"
 
 
-def issue_client(bundle: AuthBundle, role: str, name: str, ttl_s: float | None = None) -> str:
-    """Credentials of a team (`role` "team") or an operator for the CLIENTS account."""
-    from gpusched.contracts.identity import OPERATOR_TAG, TEAM_TAG
+def issue_client(
+    bundle: AuthBundle,
+    role: str,
+    name: str,
+    ttl_s: float | None = None,
+    teams: Sequence[str] = (),
+) -> str:
+    """Credentials of a team (`role` "team"), an operator, or a cluster agent (`agent`:
+    it may submit for `teams` only, and send node commands) for the CLIENTS account."""
+    from gpusched.contracts.identity import AGENT_TAG, OPERATOR_TAG, TEAM_TAG
 
-    if role not in ("team", "operator"):
-        raise AuthError(f"unknown role {role!r}: use team or operator")
+    tags = {"team": TEAM_TAG, "operator": OPERATOR_TAG, "agent": AGENT_TAG}
+    if role not in tags:
+        raise AuthError(f"unknown role {role!r}: use team, operator or agent")
     check_token(name, f"{role} name")
-    user = f"{TEAM_TAG if role == 'team' else OPERATOR_TAG}{name}"
-    publish, subscribe = permissions.client_permissions(user)
-    identity = Identity(user, Permissions(tuple(publish), tuple(subscribe)), ttl_s=ttl_s)
+    user = f"{tags[role]}{name}"
+    if role == "agent":
+        if not teams:
+            raise AuthError("an agent's credentials name the teams it submits for: give --teams")
+        for team in teams:
+            check_token(team, "team name")
+        publish, subscribe = permissions.agent_client_permissions(user)
+    elif teams:
+        raise AuthError("only an agent's credentials name teams")
+    else:
+        publish, subscribe = permissions.client_permissions(user)
+    identity = Identity(
+        user,
+        Permissions(tuple(publish), tuple(subscribe)),
+        tags=tuple(f"{TEAM_TAG}{team}" for team in sorted(set(teams))),
+        ttl_s=ttl_s,
+    )
     return bundle.client_issuer().creds(identity)
 
 

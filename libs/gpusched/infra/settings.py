@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -56,6 +57,10 @@ class OutboxSettings(Section):
 
 
 class AdmissionSettings(Section):
+    # Where the GPU inventory comes from: `file` (inventory_path, read at the very first
+    # start and by `gpusched node reload`) or `agent` (no file: admission starts with no
+    # nodes and the cluster agent adds the cluster's, e.g. the Kubernetes agent's Nodes).
+    inventory_source: Literal["file", "agent"] = "file"
     inventory_path: Path = Path("deploy/inventory/demo.yaml")
     schedule_interval_s: float = Field(default=1.0, gt=0)
     # Teams, quotas and max priority classes (docs/admission-operator.md); None: no quotas.
@@ -235,7 +240,62 @@ class BillingSettings(Section):
     default_gpu_hour: Decimal | None = None
 
 
+class KubernetesSettings(Section):
+    """The Kubernetes agent (docs/kubernetes.md); read only when agent.cluster is kubernetes."""
+
+    # None: the pod's service account (in-cluster); else a kubeconfig file.
+    kubeconfig: Path | None = None
+    scheduler_name: str = Field(default="gpusched", min_length=1, max_length=63)
+    pool_label: str = Field(default="gpusched.io/pool", min_length=1, max_length=253)
+    # Where the agent keeps its Lease, its MIG ConfigMap and its own Events.
+    namespace: str = Field(default="gpusched", min_length=1, max_length=63)
+    # namespace -> team: a pod's team is its namespace's (a label naming another team is
+    # refused). A namespace not listed has the team of its gpusched.io/team label (set by
+    # an operator); with neither, its pods are refused.
+    namespace_teams: dict[str, str] = Field(default_factory=dict)
+    # The agent's API credential (`gpusched auth issue --agent NAME --teams ...`): its
+    # submits and node commands go as a cluster agent, accepted only for those teams.
+    # Required when NATS authenticates (the agent service's own identity may not ask).
+    api_credentials: Path | None = None
+    # GPU feature discovery product names -> gpusched GPU models, beyond the built-in ones.
+    gpu_models: dict[str, str] = Field(default_factory=dict)
+    # The grace period of an eviction, per priority class (seconds).
+    evict_grace_s: dict[str, int] = Field(
+        default_factory=lambda: {
+            "inference": 30,
+            "p0-urgent": 120,
+            "p1-normal": 60,
+            "p2-offline": 30,
+        }
+    )
+    # How long an eviction a PodDisruptionBudget refuses (429) is retried before the
+    # saga is told it failed.
+    evict_retry_s: float = Field(default=30.0, ge=0, le=3600)
+    dra_driver: str = "gpu.nvidia.com"
+    dra_device_class: str = "gpu.nvidia.com"
+    dra_device: str = "gpu-{index}"
+    dra_mig_device: str = "gpu-{index}-mig-{profile}-{slice}"
+    # The mutating webhook (HTTPS); 0: not served by this process.
+    webhook_port: int = Field(default=0, ge=0, le=65535)
+    webhook_cert_file: Path | None = None
+    webhook_key_file: Path | None = None
+    # With several replicas, one leads (a coordination.k8s.io Lease); the others wait.
+    leader_election: bool = True
+    lease_duration_s: float = Field(default=15.0, ge=2, le=600)
+    # A watch is re-opened (from its resourceVersion) at least this often.
+    watch_timeout_s: int = Field(default=300, ge=1, le=3600)
+    # How long a MIG layout change may take on a node before it is reported failed.
+    mig_timeout_s: float = Field(default=900.0, gt=0, le=24 * 3600)
+    mig_configmap: str = "gpusched-mig-parted-config"
+    # The NATS URL pods reach the control plane at (default: the agent's, without its
+    # credentials).
+    pod_nats_url: str | None = None
+
+
 class AgentSettings(Section):
+    # sim: the simulated cluster (demo, tests); kubernetes: the Kubernetes agent.
+    cluster: Literal["sim", "kubernetes"] = "sim"
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     telemetry_interval_s: float = Field(default=1.0, gt=0)
     time_scale: float = Field(default=1.0, gt=0, description="virtual seconds per real second")
     workdir: Path = Path(".gpusched/agent")

@@ -19,6 +19,13 @@ starts after the newest message at connect time: requests addressed to an earlie
 attempt of the job are not replayed to this one. When NATS restarts, the consumer
 (kept in the server's memory) is recreated from the last message seen, and the
 client reconnects for as long as the job runs.
+
+Job credentials are short-lived: the cluster agent rewrites the credentials file with
+each renewal, and nats-server drops a connection whose credentials expired (nats-py
+then closes the client for good). So the client follows the file: a renewal makes it
+reconnect with the new credentials, well before the old ones expire; a connection the
+server closed anyway (the renewals stopped longer than a lifetime, e.g. while
+admission was away) is opened again once a renewal arrives.
 """
 
 from __future__ import annotations
@@ -93,6 +100,9 @@ _ERROR_MAX = 2000
 _CONTROL_HEARTBEAT_S = 1.0
 # A job's control consumer is removed by the server this long after nobody listens.
 _CONTROL_INACTIVE_S = 120.0
+# How often the credentials file is looked at for a renewal (a third of the shortest
+# credential lifetime, 2 s, leaves time to reconnect).
+_CREDENTIALS_POLL_S = 0.5
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 A = TypeVar("A")
 
@@ -155,6 +165,8 @@ class AsyncJobClient:
         self._on_checkpoint: list[CheckpointCallback] = []
         self._callback_tasks: set[asyncio.Task[None]] = set()
         self._recent: RecentCheckpoint | None = None
+        self._renewals: asyncio.Task[None] | None = None
+        self._reconnecting_for_renewal = False
 
     @classmethod
     def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
@@ -181,23 +193,26 @@ class AsyncJobClient:
     ) -> None:
         await self.close()
 
+    async def _open(self) -> NatsClient:
+        return await nats.connect(
+            self._nats_url,
+            name=f"gpusched-job-{self.job_id}",
+            # A job outlives any control-plane outage: reconnect for ever.
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=_CONNECT_TIMEOUT_S,
+            error_cb=_quiet_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+            **connect_options(self._credentials),
+            tls=self._tls,
+            tls_hostname=server_name(self._tls),
+        )
+
     async def connect(self) -> None:
         try:
             if self._nc is None:
-                self._nc = await nats.connect(
-                    self._nats_url,
-                    name=f"gpusched-job-{self.job_id}",
-                    # A job outlives any control-plane outage: reconnect for ever.
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=_CONNECT_TIMEOUT_S,
-                    error_cb=_quiet_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                    **connect_options(self._credentials),
-                    tls=self._tls,
-                    tls_hostname=server_name(self._tls),
-                )
+                self._nc = await self._open()
             self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
             self._events = EventBuffer(
                 self._nc,
@@ -209,6 +224,11 @@ class AsyncJobClient:
             self._listening_since = datetime.now(UTC)
             if self._owns_connection:
                 await self._listen()
+                if self._credentials is not None:
+                    self._renewals = asyncio.create_task(
+                        self._follow_credentials(self._credentials),
+                        name=f"job-{self.job_id}-credentials",
+                    )
             else:
                 await self._follow_shared()
         except (NatsError, JetStreamError, OSError, TimeoutError, AuthError) as exc:
@@ -236,6 +256,11 @@ class AsyncJobClient:
         """Deliver what is buffered (at most `timeout` s, default `flush_timeout_s`),
         stop listening, and close the connection if the client opened it."""
         self._closing = True
+        if self._renewals is not None:
+            self._renewals.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewals
+            self._renewals = None
         events, self._events = self._events, None
         if events is not None:
             await events.close(self._flush_timeout_s if timeout is None else timeout)
@@ -259,12 +284,52 @@ class AsyncJobClient:
         self._inbox.put_nowait(_CLOSED)
 
     async def _on_disconnected(self) -> None:
-        if self._closing:
+        if self._closing or self._reconnecting_for_renewal:
             return
         log.warning("job %s: lost the control plane; events are buffered", self.job_id)
 
+    async def _follow_credentials(self, path: Path) -> None:
+        """Reconnect with each renewal written to `path` (see the module docstring)."""
+        seen = _read_quietly(path)
+        while not self._closing:
+            await asyncio.sleep(_CREDENTIALS_POLL_S)
+            text = _read_quietly(path)
+            if text is None or text == seen:
+                continue
+            seen = text
+            try:
+                await self._use_renewed_credentials()
+            except (NatsError, JetStreamError, OSError, TimeoutError, AuthError) as exc:
+                log.warning("job %s: cannot use renewed credentials yet: %r", self.job_id, exc)
+                seen = None  # try again at the next look
+
+    async def _use_renewed_credentials(self) -> None:
+        nc = self._nc
+        if nc is None or self._closing:
+            return
+        if not nc.is_closed:
+            # nats-py reads the credentials file at every (re)connect. Not an outage: the
+            # disconnect it makes is not reported as one (the reconnect clears the mark).
+            self._reconnecting_for_renewal = True
+            await nc.force_reconnect()
+            return
+        # The server closed it (its credentials expired before a renewal came): a new
+        # connection, which the event buffer and the control consumer move to.
+        log.warning("job %s: connecting again with renewed credentials", self.job_id)
+        fresh = await self._open()
+        self._nc = fresh
+        self._js = fresh.jetstream(timeout=_REQUEST_TIMEOUT_S)
+        if self._events is not None:
+            self._events.rebind(fresh, self._js)
+        self._sub = None
+        await self._listen()
+
     async def _on_reconnected(self) -> None:
-        log.info("job %s: reconnected to the control plane", self.job_id)
+        if self._reconnecting_for_renewal:
+            self._reconnecting_for_renewal = False
+            log.debug("job %s: reconnected with renewed credentials", self.job_id)
+        else:
+            log.info("job %s: reconnected to the control plane", self.job_id)
         if self._sub is None or self._closing:
             return
         # The consumer may be gone with the server (it lives in memory); listen again
@@ -620,6 +685,13 @@ def _stream_sequence(msg: Msg) -> int | None:
         return msg.metadata.sequence.stream
     except Exception:
         return None  # not a JetStream delivery: nothing to compare
+
+
+def _read_quietly(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 async def _quiet_error(exc: Exception) -> None:

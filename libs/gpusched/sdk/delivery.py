@@ -101,6 +101,11 @@ class EventBuffer:
         self.dropped = 0
         self.sent = 0
 
+    def rebind(self, nc: NatsClient, js: JetStreamContext) -> None:
+        """Send over another connection from now on (the old one was closed for good)."""
+        self._nc, self._js = nc, js
+        self._wake.set()
+
     # --- state --------------------------------------------------------------------------
     @property
     def state(self) -> DeliveryState:

@@ -9,7 +9,7 @@ queues, then kicks the scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +19,7 @@ import yaml
 
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import NodeReply, NodeVerb, T
+from gpusched.contracts.permissions import AGENT_NODE_VERBS
 from gpusched.domain.inventory import Inventory, InventoryError, parse_inventory
 from gpusched.domain.quota import QuotaBook, QuotaError, parse_quotas
 from gpusched.domain.sharing import ModeSchedule, Overcommit
@@ -78,6 +79,20 @@ def read_inventory(path: Path) -> Inventory:
         raise InventoryUnavailable(f"admission: invalid GPU inventory {path}: {exc}") from exc
 
 
+def inventory_reader(source: str, path: Path) -> Callable[[], Inventory]:
+    """How admission reads its inventory file; with the `agent` source there is none."""
+    if source == "agent":
+
+        def none() -> Inventory:
+            raise InventoryUnavailable(
+                "admission: the inventory comes from the cluster agent "
+                "(GPUSCHED_ADMISSION__INVENTORY_SOURCE=agent): there is no file to read"
+            )
+
+        return none
+    return lambda: read_inventory(path)
+
+
 def read_quotas(path: Path | None) -> QuotaBook | None:
     """The teams' quotas and priority limits, or None when no file is configured."""
     if path is None:
@@ -107,7 +122,9 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
 
     ``clock``: where every part of the service reads the time."""
     settings = rt.settings.admission
-    await load_inventory_once(rt.uow, lambda: read_inventory(settings.inventory_path))
+    inventory_file = inventory_reader(settings.inventory_source, settings.inventory_path)
+    if settings.inventory_source == "file":
+        await load_inventory_once(rt.uow, inventory_file)
     keeper = LedgerKeeper()
     async with rt.uow() as uow:
         await keeper.read(uow)
@@ -143,7 +160,7 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
         keeper,
         catalog,
         scheduler.kick,
-        lambda: read_inventory(settings.inventory_path),
+        inventory_file,
         clock,
     )
 
@@ -168,7 +185,12 @@ async def assemble(rt: ServiceRuntime, clock: Clock = utcnow) -> AdmissionServic
         rt.serve(
             s.api_nodes(verb),
             access.operators_only(
-                rt.uow, f"nodes.{verb}", endpoint, lambda e: NodeReply(ok=False, error=e)
+                rt.uow,
+                f"nodes.{verb}",
+                endpoint,
+                lambda e: NodeReply(ok=False, error=e),
+                # A cluster agent keeps the inventory to its cluster's nodes.
+                agents=verb in AGENT_NODE_VERBS,
             ),
         )
     rt.consume(

@@ -89,13 +89,6 @@ class Catalog:
         self.process_without_quotas = process_without_quotas
         self.overcommit = overcommit or Overcommit()
         self.mig_change_interval = mig_change_interval
-        # (home pool, model) with MIG-enabled GPUs, and their memory.
-        self._mig: dict[tuple[Pool, str], int] = {}
-        for node in inventory.nodes:
-            for gpu in node.gpus:
-                if mig_capable(gpu.model) if node.mig is None else node.mig:
-                    key = (node.pool, gpu.model)
-                    self._mig[key] = min(self._mig.get(key, gpu.memory_mib), gpu.memory_mib)
         self._inventory: Inventory | None = None
         self.follow(inventory)
 
@@ -106,9 +99,15 @@ class Catalog:
         self._inventory = inventory
         self._nodes: dict[str, NodeSpec] = {node.name: node for node in inventory.nodes}
         counts: dict[tuple[Pool, str], list[int]] = {}
+        # (home pool, model) with MIG-enabled GPUs, and their memory; from the nodes of
+        # now, so a node added later (the Kubernetes agent's) may give MIG slices too.
+        self._mig: dict[tuple[Pool, str], int] = {}
         for node in inventory.nodes:
             for gpu in node.gpus:
                 counts.setdefault((node.pool, gpu.model), []).append(gpu.memory_mib)
+                if mig_capable(gpu.model) if node.mig is None else node.mig:
+                    key = (node.pool, gpu.model)
+                    self._mig[key] = min(self._mig.get(key, gpu.memory_mib), gpu.memory_mib)
         self._groups = tuple(
             _Group(pool, model, min(memories), len(memories))
             for (pool, model), memories in sorted(counts.items())

@@ -84,9 +84,15 @@ class JobsApi:
         if isinstance(job, Invalid):
             return SubmitReply(ok=False, error=job.error())
         who = access.caller()
-        if not who.may_act_for(job.team):
-            # The team comes from the credential: a team submits for itself only.
-            why = f"the job names team {job.team!r}; submit as that team or as an operator"
+        if not who.may_submit_for(job.team):
+            # The team comes from the credential: a team submits for itself only, a
+            # cluster agent for the teams its credential names.
+            why = (
+                f"its credentials do not name team {job.team!r} "
+                "(gpusched auth issue --agent NAME --teams ...)"
+                if who.kind is CallerKind.AGENT
+                else f"the job names team {job.team!r}; submit as that team or as an operator"
+            )
             return SubmitReply(
                 ok=False, error=await access.forbid(self._uow, "submit", job.team, why)
             )

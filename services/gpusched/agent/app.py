@@ -1,4 +1,5 @@
-"""Composition root of the cluster agent (the simulated cluster).
+"""Composition root of the cluster agent: the simulated cluster, or the Kubernetes
+agent when `agent.cluster` is `kubernetes` (gpusched.agent.kubernetes).
 
 It has no database of its own: the runtime runs without migrations, consumers use
 edge handlers (no unit of work, no inbox), and events are published to JetStream with
@@ -31,6 +32,11 @@ _READY_CHECK_S = 0.5
 
 
 async def build(rt: ServiceRuntime) -> None:
+    if rt.settings.agent.cluster == "kubernetes":
+        from gpusched.agent.kubernetes.app import start_kubernetes_agent
+
+        await start_kubernetes_agent(rt)
+        return
     await start_agent(rt)
 
 

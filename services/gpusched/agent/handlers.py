@@ -170,8 +170,8 @@ class ClusterAgent:
         if alloc in self._stopped:
             log.info("ignoring a start for allocation %s, which already ran", alloc)
             return
-        workload = self._make_workload(start)
         try:
+            workload = self._make_workload(start)
             await workload.launch()
         except WorkloadLaunchError as exc:
             log.warning("cannot start %s (job %s): %s", alloc, start.job_id, exc)
@@ -492,6 +492,10 @@ class ClusterAgent:
             log.info("job %s lost with node %s (allocation %s)", entry.start.job_id, node, alloc)
 
     def _make_workload(self, start: StartWorkload) -> Workload:
+        if start.workload.kind == "pod":
+            raise WorkloadLaunchError(
+                "a pod workload runs on Kubernetes only (GPUSCHED_AGENT__CLUSTER=kubernetes)"
+            )
         if start.workload.kind == "process":
             return ProcessWorkload(
                 start,
