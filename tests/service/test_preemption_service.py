@@ -127,7 +127,8 @@ def snapshot(
 ) -> PoolSnapshot:
     return PoolSnapshot(
         time=utcnow(),
-        window_s=30,
+        # Readings of an instant: one taken after a pool change describes the changed pool.
+        window_s=0.001,
         pools=[
             PoolState(pool="inference", gpus=inference_gpus, util=inference_util,
                       reporting_gpus=inference_gpus),

@@ -198,11 +198,21 @@ def test_a_reading_older_than_the_newest_changes_nothing() -> None:
     assert signals.fold(held, at(5, 0.1, shared_util=0.1), th, lim) == held
 
 
-def test_a_window_never_starts_before_the_last_pool_change() -> None:
+def test_a_reading_that_averages_the_pool_before_its_last_change_holds_nothing() -> None:
+    # Lent GPUs just joined the pool: a reading whose window began before that still
+    # averages the smaller pool, and would ask for the same GPUs a second time.
     th, lim = WINDOWED.thresholds, WINDOWED.signals
     changed = NOW + timedelta(seconds=20)
-    held = signals.fold(HeldSignals(), at(10, 0.9), th, lim, last_change_at=changed)
-    assert held.expand_since == changed
+    straddling = replace(at(21, 0.95), window_s=1.5)
+    held = signals.fold(HeldSignals(), straddling, th, lim, last_change_at=changed)
+    assert held.expand_since is None and held.shrink_since is None
+    assert held.reading_at == straddling.time
+    after = replace(at(22, 0.95), window_s=1.5)
+    held = signals.fold(held, after, th, lim, last_change_at=changed)
+    assert held.expand_since == after.time
+    # A window that was open when the pool changed does not carry over.
+    held = signals.fold(HeldSignals(NOW, NOW, None), straddling, th, lim, changed)
+    assert held.expand_since is None
 
 
 def test_a_queue_deeper_than_its_limit_is_a_reason_to_expand() -> None:

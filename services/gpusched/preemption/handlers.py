@@ -651,7 +651,11 @@ def _reading(snapshot: PoolSnapshot) -> policy.PoolReading:
         policy.ServiceReading(s.service, s.p99_ms, s.queue_depth) for s in snapshot.services
     )
     return policy.PoolReading(
-        snapshot.time, figures(Pool.INFERENCE), figures(Pool.SHARED), services
+        snapshot.time,
+        figures(Pool.INFERENCE),
+        figures(Pool.SHARED),
+        services,
+        window_s=snapshot.window_s,
     )
 
 

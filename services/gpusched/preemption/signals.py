@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from gpusched.domain.elastic import ElasticThresholds
 
@@ -52,6 +52,11 @@ class PoolReading:
     inference: PoolFigures  # dedicated + lent GPUs
     shared: PoolFigures  # shared GPUs not lent
     services: tuple[ServiceReading, ...] = ()
+    window_s: float = 0.0  # the span the figures average, ending at ``time``
+
+    @property
+    def window_start(self) -> datetime:
+        return self.time - timedelta(seconds=self.window_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +130,14 @@ def fold(
 ) -> HeldSignals:
     """What is held after ``reading``. A reading older than one folded already (replicas
     may apply snapshots out of order) changes nothing. A window never starts before the
-    last pool change: readings taken before it describe a pool that no longer exists."""
+    last pool change: a reading whose window began before it averages a pool that no
+    longer exists (the GPUs just lent or returned do not show in it yet), so it is kept
+    as the newest reading but starts no window and continues none."""
     if held.reading_at is not None and reading.time <= held.reading_at:
         return held
-    start = reading.time if last_change_at is None else max(reading.time, last_change_at)
+    if last_change_at is not None and reading.window_start < last_change_at:
+        return replace(held, reading_at=reading.time, expand_since=None, shrink_since=None)
+    start = reading.time
 
     def since(was: datetime | None, true_now: bool) -> datetime | None:
         if not true_now:
