@@ -35,10 +35,13 @@ from .requests import PlacementRequest, host_per_gpu
 
 __all__ = ["LedgerState"]
 
+_LAYOUT_EVENTS = (LayoutChanged, LayoutApplied, LayoutFailed)
+
 
 class LedgerState:
     __slots__ = (
         "_allocations",
+        "_changed",
         "_down",
         "_fractions",
         "_groups",
@@ -96,6 +99,8 @@ class LedgerState:
         self._fractions = FractionIndex()
         for slot in ordered:
             self._index.add(slot)
+        # GPUs the events since the last take_changed() touched: what a store writes.
+        self._changed: dict[GpuRef, None] = {}
 
     # --- queries ---
 
@@ -236,11 +241,19 @@ class LedgerState:
             fed = min(fed, room.memory_free // memory_per_gpu)
         return max(fed, 0)
 
+    def take_changed(self) -> tuple[GpuRef, ...]:
+        """The GPUs (still in the ledger) that events changed since the last call, in
+        (node, index) order; a store writes their slots, layouts and reservations."""
+        changed, self._changed = self._changed, {}
+        return tuple(sorted(ref for ref in changed if ref in self._slots))
+
     # --- evolve ---
 
     def _evolve(self, event: LedgerEvent) -> None:
         # Callers have validated the whole event first, so a refused command never
         # leaves the ledger half-changed.
+        touched = (event.gpu,) if isinstance(event, _LAYOUT_EVENTS) else event.gpus
+        self._changed.update(dict.fromkeys(touched))
         match event:
             case AllocationGranted():
                 self._granted(event)
