@@ -43,6 +43,7 @@ from .events import (
     LayoutFailed,
     LedgerEvent,
 )
+from .host import place_host
 from .model import Allocation, GpuSlot, GpuStatus, JobKind, NodeCondition, PriorityClass
 from .packing import pack
 from .requests import Placement, PlacementRequest, PlacementStrategy, eligible, host_per_gpu
@@ -134,10 +135,14 @@ class Ledger(LedgerState):
         function sees every eligible free GPU, trimmed per node to what the node's host
         CPU and memory can feed.
         """
-        if request.share is None or not request.share.mig:
+        # The mix is of GPU pods: a job without GPUs leaves no GPU fragment of its own.
+        if request.gpus and (request.share is None or not request.share.mig):
             milli = WHOLE_GPU_MILLI if request.share is None else request.share.milli
             assert milli is not None  # not a MIG ask
             self._mix.observe(PodShape(request.gpus, milli, request.cpu_milli, request.memory_mib))
+        if not request.gpus:
+            node = place_host(self, request)
+            return None if node is None else self._check_host(request, node)
         if request.share is not None:
             return place_share(self, request, request.share, self._mix.typical())
         if strategy is None:
@@ -187,7 +192,9 @@ class Ledger(LedgerState):
                 f"{priority_class.kind} jobs, not {request.kind}"
             )
         # Re-checked here: the ledger may have changed since place() proposed it.
-        if placement.share is not None:
+        if not request.gpus:
+            checked = self._check_host(request, placement.node)
+        elif placement.share is not None:
             checked = self._check_share(placement)
         else:
             checked = self._check_placement(request, placement.gpus)
@@ -206,6 +213,7 @@ class Ledger(LedgerState):
             memory_per_gpu=memory,
             borrowed=borrowed,
             share=checked.share,
+            node=checked.node,
         )
         self._evolve(event)
         return event
@@ -310,7 +318,9 @@ class Ledger(LedgerState):
         return tuple(ref for ref in self._slots if ref.node == node)
 
     def allocations_on_node(self, node: str) -> tuple[Allocation, ...]:
-        return self.allocations_on(self.node_gpus(node))
+        """Its allocations: on its GPUs, then those of its host alone (no GPU)."""
+        hosted = (a for a in self._allocations.values() if a.node == node)
+        return (*self.allocations_on(self.node_gpus(node)), *hosted)
 
     def add_node(self, node: NodeSpec) -> tuple[GpuRef, ...]:
         """A new node, up and idle; its GPUs join the placeable set at once."""
@@ -323,6 +333,7 @@ class Ledger(LedgerState):
         if node.gpu_groups:
             self._groups[node.name] = node.gpu_groups
         self._node_gpus[node.name] = len(added)
+        self._node_pool[node.name] = node.pool
         self._index.shapes[node.name] = (node.cpu_milli, node.memory_mib)
         # Every query walks the slots in (node, index) order, as after __init__.
         self._slots = dict(sorted([*self._slots.items(), *((slot.ref, slot) for slot in added)]))
@@ -334,7 +345,7 @@ class Ledger(LedgerState):
         """Drain or fail a node (None: back up). Running allocations of a drained node
         stay; a node is failed only once its allocations are released."""
         refs = self.node_gpus(node)
-        if condition is NodeCondition.FAILED and (held := self.allocations_on(refs)):
+        if condition is NodeCondition.FAILED and (held := self.allocations_on_node(node)):
             raise NodeBusy(
                 f"node {node} still holds allocation(s) "
                 f"{', '.join(a.allocation_id for a in held)}: release them before failing it"
@@ -354,7 +365,7 @@ class Ledger(LedgerState):
     def remove_node(self, node: str) -> tuple[GpuRef, ...]:
         """Take an empty node out of the ledger; refuses one with allocations or lent GPUs."""
         refs = self.node_gpus(node)
-        held = self.allocations_on(refs)
+        held = self.allocations_on_node(node)
         lent = [ref for ref in refs if self._slots[ref].reserved_for is not None]
         if held or lent:
             what = [f"allocation {a.allocation_id}" for a in held]
@@ -369,6 +380,7 @@ class Ledger(LedgerState):
             if slot.placeable and node not in self._down:
                 self._index.remove(slot)
         del self._node_gpus[node]
+        del self._node_pool[node]
         del self._index.shapes[node]
         self._hosts.pop(node, None)
         self._groups.pop(node, None)
@@ -462,8 +474,15 @@ class Ledger(LedgerState):
     def _require_grant(self, event: AllocationGranted) -> None:
         if event.allocation_id in self._allocations:
             raise AllocationExists(f"allocation {event.allocation_id!r} already exists")
+        if event.node is not None:
+            if event.gpus or event.share is not None:
+                raise InvalidRequest(
+                    f"allocation {event.allocation_id!r} names a node for host alone and GPUs"
+                )
+            self._require_node(event.node)
+            return
         if not event.gpus:
-            raise InvalidRequest(f"allocation {event.allocation_id!r} has no GPUs")
+            raise InvalidRequest(f"allocation {event.allocation_id!r} has no GPUs and no node")
         for ref in event.gpus:
             _require_unallocated(self.gpu(ref))
         if event.share is not None:
@@ -499,7 +518,7 @@ class Ledger(LedgerState):
             if not eligible(slot, request):
                 raise GpuNotEligible(
                     f"GPU {slot.ref} ({slot.model}, serving pool {slot.serving_pool}) does not "
-                    f"fit job {request.job_id} (model {request.model or 'any'}, pools "
+                    f"fit job {request.job_id} (model {'|'.join(request.models) or 'any'}, pools "
                     f"{', '.join(request.pools)})"
                 )
         cpu, memory = host_per_gpu(request)
@@ -525,6 +544,18 @@ class Ledger(LedgerState):
             )
         ((pool, model),) = gangs
         return Placement(request, tuple(sorted(refs)), model, pool)
+
+    def _check_host(self, request: PlacementRequest, node: str | None) -> Placement:
+        """A placement without GPUs: on one known node that may take the request."""
+        if node is None:
+            raise InvalidRequest(f"job {request.job_id}: a placement without GPUs names a node")
+        self._require_node(node)
+        if not self._host_eligible(node, request):
+            raise GpuNotEligible(
+                f"node {node} may not take job {request.job_id} (its pool, its condition, a "
+                "hold for another job, or not enough host CPU or memory left)"
+            )
+        return Placement(request, (), "", self._node_pool[node], node=node)
 
     def _check_share(self, placement: Placement) -> Placement:
         request = placement.request

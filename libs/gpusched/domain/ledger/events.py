@@ -41,6 +41,7 @@ class AllocationGranted:
     memory_per_gpu: int = 0
     borrowed: bool = False
     share: GpuShare | None = None
+    node: str | None = None
 
     @classmethod
     def of(cls, allocation: Allocation) -> AllocationGranted:
@@ -58,6 +59,7 @@ class AllocationGranted:
             allocation.memory_per_gpu,
             allocation.borrowed,
             allocation.share,
+            allocation.node,
         )
 
     @property
@@ -76,6 +78,7 @@ class AllocationGranted:
             self.memory_per_gpu,
             self.borrowed,
             self.share,
+            self.node,
         )
 
     @property

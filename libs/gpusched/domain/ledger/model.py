@@ -135,17 +135,34 @@ class Allocation:
     model: str
     # The serving pool at grant time: INFERENCE for an inference job on lent GPUs.
     pool: Pool
-    # Host CPU and memory held on each GPU's node, per GPU (0: not accounted).
+    # Host CPU and memory held on each GPU's node, per GPU (0: not accounted); without
+    # GPUs, all of it on ``node``.
     cpu_per_gpu: int = 0
     memory_per_gpu: int = 0
     # Granted beyond the team's guaranteed quota: reclaimed first.
     borrowed: bool = False
     # Part of its one GPU (a fraction or a MIG slice); None: whole GPUs.
     share: GpuShare | None = None
+    # Without GPUs (a job of host CPU and memory alone): the node it runs on.
+    node: str | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
+        if self.node is not None:
+            return (self.node,)
         return tuple(dict.fromkeys(ref.node for ref in self.gpus))
+
+    def host_held(self) -> dict[str, tuple[int, int]]:
+        """The host CPU and memory it holds on each of its nodes."""
+        if self.node is not None:
+            return {self.node: (self.cpu_per_gpu, self.memory_per_gpu)}
+        per_node: dict[str, int] = {}
+        for ref in self.gpus:
+            per_node[ref.node] = per_node.get(ref.node, 0) + 1
+        return {
+            node: (count * self.cpu_per_gpu, count * self.memory_per_gpu)
+            for node, count in per_node.items()
+        }
 
     @property
     def spans_nodes(self) -> bool:

@@ -69,9 +69,7 @@ def pack(ledger: LedgerState, request: PlacementRequest) -> tuple[GpuRef, ...] |
     as in ``first_fit``.
     """
     keys = [
-        key
-        for key in ledger._index.free
-        if key[0] in request.pools and (request.model is None or key[2] == request.model)
+        key for key in ledger._index.free if key[0] in request.pools and request.accepts(key[2])
     ]
     tiers = sorted({tier(key, request) for key in keys})
     by_tier = {rank: [key for key in keys if tier(key, request) == rank] for rank in tiers}

@@ -38,6 +38,7 @@ def default_pools(kind: JobKind) -> tuple[Pool, ...]:
 class PlacementRequest:
     job_id: str
     kind: JobKind
+    # Whole GPUs (1 for a share of one GPU; 0 for a job of host CPU and memory alone).
     gpus: int
     model: str | None = None
     # Serving pools the job may use, most preferred first; empty: default_pools(kind).
@@ -51,14 +52,35 @@ class PlacementRequest:
     exclude_nodes: frozenset[str] = frozenset()
     # Part of one GPU instead of whole GPUs (gpus must be 1).
     share: ShareAsk | None = None
+    # The GPU models the job accepts, any one of them (a gang never mixes models), as a
+    # trace's `V100M16|V100M32`; with ``model``, or neither for any model. Kept sorted;
+    # ``model`` is set when exactly one is accepted.
+    models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise InvalidRequest(f"job {self.job_id}: needs at least 1 GPU, asked {self.gpus}")
+        if self.gpus < 0:
+            raise InvalidRequest(f"job {self.job_id}: a GPU count is not negative, got {self.gpus}")
         if self.share is not None and self.gpus != 1:
             raise InvalidRequest(f"job {self.job_id}: a share of a GPU is for one GPU")
         if self.cpu_milli < 0 or self.memory_mib < 0:
             raise InvalidRequest(f"job {self.job_id}: host CPU and memory must not be negative")
+        accepted = tuple(sorted({*self.models, *([self.model] if self.model else [])}))
+        if self.model is not None and self.models and self.model not in self.models:
+            raise InvalidRequest(
+                f"job {self.job_id}: model {self.model} is not among its models "
+                f"{', '.join(self.models)}"
+            )
+        if self.gpus == 0:
+            if not (self.cpu_milli or self.memory_mib):
+                raise InvalidRequest(
+                    f"job {self.job_id}: asks no GPU, no host CPU and no memory; a job without "
+                    "GPUs needs cpu_milli or memory_mib"
+                )
+            if accepted:
+                raise InvalidRequest(f"job {self.job_id}: a job without GPUs names no GPU model")
+        object.__setattr__(self, "models", accepted)
+        if len(accepted) == 1:
+            object.__setattr__(self, "model", accepted[0])
         if not self.pools:
             object.__setattr__(self, "pools", default_pools(self.kind))
         if self.kind is JobKind.TRAINING and Pool.INFERENCE in self.pools:
@@ -66,6 +88,10 @@ class PlacementRequest:
                 f"job {self.job_id}: training may not use the inference pool "
                 "(inference is never preempted by training)"
             )
+
+    def accepts(self, model: str) -> bool:
+        """Whether a GPU of ``model`` may serve this request."""
+        return not self.models or model in self.models
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +103,13 @@ class Placement:
     share: GpuShare | None = None
     # A MIG layout the GPU must be given first (``Ledger.change_layout``), or None.
     layout: tuple[str, ...] | None = None
+    # The node of a placement without GPUs (host CPU and memory only).
+    node: str | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
+        if self.node is not None:
+            return (self.node,)
         return tuple(dict.fromkeys(ref.node for ref in self.gpus))
 
     @property
@@ -123,12 +153,10 @@ def tier(key: GangKey, request: PlacementRequest) -> tuple[int, bool]:
 
 
 def eligible(slot: GpuSlot, request: PlacementRequest) -> bool:
-    return (
-        slot.placeable
-        and slot.serving_pool in request.pools
-        and (request.model is None or slot.model == request.model)
-    )
+    return slot.placeable and slot.serving_pool in request.pools and request.accepts(slot.model)
 
 
 def host_per_gpu(request: PlacementRequest) -> tuple[int, int]:
-    return per_gpu(request.cpu_milli, request.gpus), per_gpu(request.memory_mib, request.gpus)
+    """What the request holds on a node per GPU (a job without GPUs: all of it, on one)."""
+    units = max(request.gpus, 1)
+    return per_gpu(request.cpu_milli, units), per_gpu(request.memory_mib, units)

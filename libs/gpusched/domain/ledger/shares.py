@@ -127,11 +127,7 @@ def _tightest_candidates(
     ledger: LedgerState, request: PlacementRequest, ask: ShareAsk, pool: Pool
 ) -> list[_Candidate]:
     assert ask.milli is not None  # a fraction
-    keys = [
-        key
-        for key in ledger._fractions.by_left
-        if key[0] is pool and (request.model is None or key[1] == request.model)
-    ]
+    keys = [key for key in ledger._fractions.by_left if key[0] is pool and request.accepts(key[1])]
     candidates: list[_Candidate] = []
     # Bounded like pack: past SCAN_LIMIT GPUs examined (shared GPUs whose hosts are
     # full, say) other candidates are the better use of the decision's time.
@@ -198,11 +194,7 @@ def _fresh_for_fraction(
     partials' nodes, the nodes that took fractions last (so fractions gather on few
     nodes, as first fit's do), an empty node, and ``pack``'s choice."""
     index = ledger._index
-    keys = [
-        key
-        for key in index.free
-        if key[0] is pool and (request.model is None or key[2] == request.model)
-    ]
+    keys = [key for key in index.free if key[0] is pool and request.accepts(key[2])]
     nodes = dict.fromkeys(slot.ref.node for slot, _, _ in partials)
     nodes.update(dict.fromkeys(reversed(ledger._fractions.recent_nodes)))
     fresh: list[GpuSlot] = []

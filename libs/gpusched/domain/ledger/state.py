@@ -50,6 +50,7 @@ class LedgerState:
         "_layout_at",
         "_layout_before",
         "_node_gpus",
+        "_node_pool",
         "_shared",
         "_slots",
     )
@@ -76,8 +77,11 @@ class LedgerState:
         }
         self._groups: dict[str, tuple[tuple[int, ...], ...]] = dict(groups or {})
         self._node_gpus: dict[str, int] = {}
+        # A node's pool: its GPUs' home pool (a job without GPUs runs on a node of its pools).
+        self._node_pool: dict[str, Pool] = {}
         for slot in ordered:
             self._node_gpus[slot.ref.node] = self._node_gpus.get(slot.ref.node, 0) + 1
+            self._node_pool.setdefault(slot.ref.node, slot.pool)
         self._index = FreeIndex()
         self._index.shapes.update(
             (
@@ -215,6 +219,22 @@ class LedgerState:
         """The layout the agent still has while a change of ``ref`` is pending."""
         return self._layout_before.get(ref, ())
 
+    def node_free_milli(self, node: str) -> int:
+        """The GPU compute the node has unallocated, in milli: its free whole GPUs (lent
+        or not) and what is left on its partly used fractional GPUs."""
+        whole = sum(len(by_node.get(node, ())) for by_node in self._index.free.values())
+        return whole * WHOLE_GPU_MILLI + sum(self._fractions.node_lefts.get(node, {}).values())
+
+    def _host_eligible(self, node: str, request: PlacementRequest) -> bool:
+        """Whether a job without GPUs may run on ``node``: a node of its pools, up, not
+        held, with the host CPU and memory it asks left."""
+        return (
+            self._node_pool.get(node) in request.pools
+            and node not in self._down
+            and node not in request.exclude_nodes
+            and self._host_feeds(node, request.cpu_milli, request.memory_mib, 1) == 1
+        )
+
     def _share_eligible(self, slot: GpuSlot, request: PlacementRequest) -> bool:
         """Whether ``slot`` may take part of itself for ``request`` (pool, model, host)."""
         cpu, memory = host_per_gpu(request)
@@ -223,7 +243,7 @@ class LedgerState:
             slot.reserved_for is None
             and slot.status is not GpuStatus.ALLOCATED
             and slot.pool in request.pools
-            and (request.model is None or slot.model == request.model)
+            and request.accepts(slot.model)
             and node not in request.exclude_nodes
             and node not in self._down
             and self._host_feeds(node, cpu, memory, 1) == 1
@@ -339,11 +359,8 @@ class LedgerState:
     def _hold_hosts(self, allocation: Allocation, sign: int) -> None:
         if not (allocation.cpu_per_gpu or allocation.memory_per_gpu):
             return
-        per_node: dict[str, int] = {}
-        for ref in allocation.gpus:
-            per_node[ref.node] = per_node.get(ref.node, 0) + 1
         fractions = self._fractions
-        for node, count in per_node.items():
+        for node, (cpu, memory) in allocation.host_held().items():
             room = self._hosts.get(node)
             if room is None:
                 continue
@@ -352,8 +369,8 @@ class LedgerState:
                 fractions.index_host(node, room.cpu_free, add=False)
             self._hosts[node] = replace(
                 room,
-                cpu_free=room.cpu_free + sign * count * allocation.cpu_per_gpu,
-                memory_free=room.memory_free + sign * count * allocation.memory_per_gpu,
+                cpu_free=room.cpu_free + sign * cpu,
+                memory_free=room.memory_free + sign * memory,
             )
             if sharing:
                 fractions.index_host(node, self._hosts[node].cpu_free, add=True)
