@@ -149,3 +149,20 @@ def test_a_ledger_restored_with_jobs_without_gpus_equals_the_live_one() -> None:
 
     assert restored.allocations == live.allocations
     assert [restored.host_room(n) for n in ("a", "b")] == [live.host_room(n) for n in ("a", "b")]
+
+
+def test_a_pod_that_can_run_anywhere_leaves_a_scarce_model_to_the_pods_that_need_it() -> None:
+    ledger = ledger_of(node("p100", "P100", 2), node("g2-a", "G2", 8), node("g2-b", "G2", 8))
+    # Pods only a G2 serves came three times as often as pods only a P100 serves; but
+    # the P100 has 2 GPUs for its quarter of that demand, the G2s 16 for theirs: the
+    # P100 is the scarce one (fragmentation alone would fill it first: more of the
+    # constrained pods cannot use it).
+    for number in range(3):
+        assert ledger.place(PlacementRequest(f"g{number}", JobKind.TRAINING, 1, models=("G2",)))
+    assert ledger.place(PlacementRequest("p", JobKind.TRAINING, 1, models=("P100",)))
+
+    anywhere = grant(ledger, "any", PlacementRequest("a", JobKind.TRAINING, 1, cpu_milli=1_000))
+
+    assert anywhere.model == "G2"
+    needs = grant(ledger, "p100", PlacementRequest("n", JobKind.TRAINING, 2, models=("P100",)))
+    assert {ref.node for ref in needs.gpus} == {"p100"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 
+from gpusched.domain.fragmentation import ScoreWeights
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.placement import HostRoom
 from gpusched.domain.sharing import (
@@ -47,6 +48,7 @@ from .host import place_host
 from .model import Allocation, GpuSlot, GpuStatus, JobKind, NodeCondition, PriorityClass
 from .packing import pack
 from .requests import Placement, PlacementRequest, PlacementStrategy, eligible, host_per_gpu
+from .scores import Scores
 from .shares import place_share
 from .state import LedgerState
 
@@ -63,19 +65,22 @@ class Ledger(LedgerState):
         gpus: Iterable[GpuSlot],
         hosts: Mapping[str, tuple[int, int]] | None = None,
         groups: Mapping[str, tuple[tuple[int, ...], ...]] | None = None,
+        weights: ScoreWeights | None = None,
     ) -> None:
         """An idle ledger over ``gpus``; live state comes back through ``restore``/``apply``.
 
         ``hosts`` gives each node's (cpu_milli, memory_mib) so placement also respects
         host CPU and memory; a node missing from it is not limited. ``groups`` gives a
-        node's NVLink islands / NUMA GPU groups.
+        node's NVLink islands / NUMA GPU groups. ``weights``: how placement scores add
+        up (``gpusched.domain.fragmentation.ScoreWeights``; the defaults were measured on
+        the openb cluster).
         """
-        super().__init__(gpus, hosts, groups)
+        super().__init__(gpus, hosts, groups, weights)
         # The shapes of recent requests: what the fragmentation score of a fraction reads.
         self._mix = WorkloadMix()
 
     @classmethod
-    def from_inventory(cls, inventory: Inventory) -> Ledger:
+    def from_inventory(cls, inventory: Inventory, weights: ScoreWeights | None = None) -> Ledger:
         return cls(
             (
                 GpuSlot(gpu.ref, gpu.model, gpu.memory_mib, node.pool, mig=node.mig)
@@ -84,6 +89,7 @@ class Ledger(LedgerState):
             ),
             hosts={node.name: (node.cpu_milli, node.memory_mib) for node in inventory.nodes},
             groups={node.name: node.gpu_groups for node in inventory.nodes if node.gpu_groups},
+            weights=weights,
         )
 
     @classmethod
@@ -139,14 +145,17 @@ class Ledger(LedgerState):
         if request.gpus and (request.share is None or not request.share.mig):
             milli = WHOLE_GPU_MILLI if request.share is None else request.share.milli
             assert milli is not None  # not a MIG ask
-            self._mix.observe(PodShape(request.gpus, milli, request.cpu_milli, request.memory_mib))
+            self._mix.observe(
+                PodShape(request.gpus, milli, request.cpu_milli, request.memory_mib, request.models)
+            )
+            self._demand.observe(request.models, request.gpus * milli)
         if not request.gpus:
-            node = place_host(self, request)
+            node = place_host(self, request, self._mix.typical())
             return None if node is None else self._check_host(request, node)
         if request.share is not None:
             return place_share(self, request, request.share, self._mix.typical())
         if strategy is None:
-            chosen = pack(self, request)
+            chosen = pack(self, request, self._mix.typical())
         else:
             chosen = strategy(self._candidates(request), request)
         if chosen is None:
@@ -339,6 +348,7 @@ class Ledger(LedgerState):
         self._slots = dict(sorted([*self._slots.items(), *((slot.ref, slot) for slot in added)]))
         for slot in added:
             self._index.add(slot)
+        self._scores = Scores(self._slots, self._hosts, self._weights)
         return tuple(slot.ref for slot in added)
 
     def set_condition(self, node: str, condition: NodeCondition | None) -> None:
@@ -351,6 +361,7 @@ class Ledger(LedgerState):
                 f"{', '.join(a.allocation_id for a in held)}: release them before failing it"
             )
         slots = [self._slots[ref] for ref in refs]
+        self._scores.touch(node)
         for slot in slots:
             if self._indexed(slot):
                 self._index.remove(slot)
@@ -385,6 +396,7 @@ class Ledger(LedgerState):
         self._hosts.pop(node, None)
         self._groups.pop(node, None)
         self._down.pop(node, None)
+        self._scores = Scores(self._slots, self._hosts, self._weights)
         return refs
 
     def _require_node(self, node: str) -> None:

@@ -1,32 +1,21 @@
-"""The indexes placement reads, kept in step with every slot change by the ledger's
-evolution, so a decision looks at a few candidate nodes instead of every GPU.
-
-- ``FreeIndex``: free whole GPUs per gang key and node, and per gang key the nodes
-  bucketed by how many of those GPUs they have free, then by host shape (CPU, memory).
-  ``pack`` walks the buckets tightest first.
-- ``FractionIndex``: partly used fractional GPUs by (home pool, model) and compute left,
-  per node; the nodes that have some, by host CPU left; the nodes that took a fraction
-  last. The share placement (``shares``) reads it.
+"""The index of free whole GPUs, kept in step with every slot change by the ledger's
+evolution: per gang key, each node's free GPUs, and the nodes bucketed by how many of
+those GPUs they have free, then by host shape (CPU, memory). Lent GPUs (``pack`` walks
+their buckets tightest first), spanning gangs and ``nodes_free`` read it; the scores of
+the other placements read the node table (``scores``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Mapping
-
-from gpusched.domain.inventory import GpuRef, Pool
 
 from .model import GpuSlot
 from .requests import GangKey, key_of
 
-__all__ = ["FractionIndex", "FreeIndex", "Shape"]
+__all__ = ["FreeIndex", "Shape"]
 
 # (cpu_milli, memory_mib) of a node's host; (0, 0) when the ledger does not limit it.
 Shape = tuple[int, int]
-
-# Nodes that took fractions last, remembered: their free GPUs are candidates for the
-# next fraction, so fractions gather on few nodes instead of opening GPUs everywhere.
-RECENT_FRACTION_NODES = 8
 
 
 class FreeIndex:
@@ -81,50 +70,3 @@ def _unbucket(
         del by_shape[shape]
         if not by_shape:
             del buckets[count]
-
-
-class FractionIndex:
-    __slots__ = ("by_cpu", "by_left", "lefts", "node_lefts", "recent_nodes")
-
-    def __init__(self) -> None:
-        self.by_left: dict[tuple[Pool, str], dict[int, dict[GpuRef, None]]] = {}
-        # The compute-left values present in by_left, sorted, for a bisect to the
-        # tightest fit.
-        self.lefts: dict[tuple[Pool, str], list[int]] = {}
-        # Per node, the compute left on each of its partly used fractional GPUs: what
-        # the fragmentation score of a fraction reads.
-        self.node_lefts: dict[str, dict[GpuRef, int]] = {}
-        # The nodes in node_lefts with a host, by host CPU left: (cpu_free, node), sorted.
-        self.by_cpu: list[tuple[int, str]] = []
-        # The last few nodes a fraction landed on, oldest first.
-        self.recent_nodes: dict[str, None] = {}
-
-    def add(self, ref: GpuRef, key: tuple[Pool, str], left: int) -> None:
-        bucket = self.by_left.setdefault(key, {}).setdefault(left, {})
-        if not bucket:
-            insort(self.lefts.setdefault(key, []), left)
-        bucket[ref] = None
-        self.node_lefts.setdefault(ref.node, {})[ref] = left
-
-    def remove(self, ref: GpuRef, key: tuple[Pool, str], left: int) -> None:
-        lefts = self.node_lefts[ref.node]
-        del lefts[ref]
-        if not lefts:
-            del self.node_lefts[ref.node]
-        by_left = self.by_left[key]
-        del by_left[left][ref]
-        if not by_left[left]:
-            del by_left[left]
-            self.lefts[key].remove(left)
-
-    def took_fraction(self, node: str) -> None:
-        self.recent_nodes.pop(node, None)
-        self.recent_nodes[node] = None
-        if len(self.recent_nodes) > RECENT_FRACTION_NODES:
-            del self.recent_nodes[next(iter(self.recent_nodes))]
-
-    def index_host(self, node: str, cpu_free: int, add: bool) -> None:
-        if add:
-            insort(self.by_cpu, (cpu_free, node))
-        else:
-            del self.by_cpu[bisect_left(self.by_cpu, (cpu_free, node))]

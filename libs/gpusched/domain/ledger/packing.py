@@ -1,13 +1,17 @@
-"""Whole-GPU placement: gpusched's packing (``pack``, on the ledger's index) and the
-plain ``first_fit`` strategy it is measured against."""
+"""Whole-GPU placement: gpusched's packing (``pack``, on the ledger's node table and
+index) and the plain ``first_fit`` strategy it is measured against."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
+
+from gpusched.domain.fragmentation import WHOLE
 from gpusched.domain.inventory import GpuRef
 from gpusched.domain.placement import choose_in_node, stranded
+from gpusched.domain.sharing import PodShape
 
 from .model import GpuSlot
 from .requests import GangKey, PlacementRequest, gangs, host_per_gpu, tier
@@ -57,16 +61,21 @@ def first_fit(
     return None
 
 
-def pack(ledger: LedgerState, request: PlacementRequest) -> tuple[GpuRef, ...] | None:
-    """gpusched's placement: whole GPUs, all or nothing, packed to keep big holes whole.
+def pack(
+    ledger: LedgerState,
+    request: PlacementRequest,
+    mix: tuple[tuple[PodShape, float], ...] = (),
+) -> tuple[GpuRef, ...] | None:
+    """gpusched's placement of whole GPUs, all or nothing.
 
-    In order: one group (NVLink island / NUMA node) of one node, then one node, then,
-    if the job allows it, across nodes. Among single nodes, best fit: the node with the
-    fewest free GPUs that still fits, so empty nodes stay empty for whole-node gangs;
-    ties go to the placement that strands fewest GPUs (leaves them without host CPU or
-    memory). Across nodes: the fewest nodes, the remainder on the tightest fit. Pool
-    preference (``request.pools`` order, a pool's own GPUs before lent ones) ranks first,
-    as in ``first_fit``.
+    In the request's pool order, a pool's own GPUs before lent ones: on the one node
+    whose taking them scores best (``_scored_node``: FGD's fragmentation growth over the
+    workload's typical pods ``mix``, how tightly it packs, CPU balance, model scarcity),
+    inside one group (NVLink island / NUMA node) when one of the best nodes has it;
+    lent GPUs by best fit (``_best_node``). Then, if the job allows it, across nodes:
+    the fewest nodes, the remainder on the tightest fit (``_fewest_nodes``). One node
+    in a less preferred pool still beats spanning nodes in a preferred one, since
+    crossing nodes costs every training step.
     """
     keys = [
         key for key in ledger._index.free if key[0] in request.pools and request.accepts(key[2])
@@ -74,7 +83,12 @@ def pack(ledger: LedgerState, request: PlacementRequest) -> tuple[GpuRef, ...] |
     tiers = sorted({tier(key, request) for key in keys})
     by_tier = {rank: [key for key in keys if tier(key, request) == rank] for rank in tiers}
     for rank in tiers:
-        found = _best_node(ledger, by_tier[rank], request)
+        _, lent = rank
+        found = (
+            _best_node(ledger, by_tier[rank], request)
+            if lent
+            else _scored_node(ledger, by_tier[rank], request, mix)
+        )
         if found is not None:
             return found
     if request.may_span_nodes:
@@ -84,6 +98,52 @@ def pack(ledger: LedgerState, request: PlacementRequest) -> tuple[GpuRef, ...] |
                 if found is not None:
                     return found
     return None
+
+
+# Best-scored nodes whose groups (NVLink islands, NUMA nodes) are looked at for one
+# that holds the gang inside a group.
+_GROUP_CANDIDATES = 8
+
+
+def _scored_node(
+    ledger: LedgerState,
+    keys: Sequence[GangKey],
+    request: PlacementRequest,
+    mix: tuple[tuple[PodShape, float], ...],
+) -> tuple[GpuRef, ...] | None:
+    """The best-scored node with the gang's GPUs free among ``keys`` (own GPUs)."""
+    wanted = request.gpus
+    cpu, memory = host_per_gpu(request)
+    frag = ledger._fragmentation(mix)
+    scores = ledger._scores
+    table = scores.table
+    models = tuple(sorted({key[2] for key in keys}))
+    pools = tuple({key[0] for key in keys})
+    fits = scores.usable(models, wanted * cpu, wanted * memory, request.exclude_nodes, pools)
+    rows = np.flatnonzero(fits & (scores.free_whole >= wanted))
+    if not len(rows):
+        return None
+    score = (
+        scores.whole(frag, wanted, wanted * cpu, wanted * memory)
+        + scores.scarcity(frag, ledger._demand, wanted * WHOLE)
+    )[rows]
+    first = int(np.argmin(score))  # the first of the least: name order among equals
+    if wanted == 1 or not ledger._groups.get(table.names[int(rows[first])]):
+        positions = [first]
+    else:
+        positions = [int(p) for p in np.lexsort((rows, score))[:_GROUP_CANDIDATES]]
+    best: tuple[GpuRef, ...] | None = None
+    for position in positions:
+        node = table.names[int(rows[position])]
+        free = next(
+            sorted(ledger._index.free[key][node]) for key in keys if node in ledger._index.free[key]
+        )
+        chosen, in_group = choose_in_node(free, wanted, ledger._groups.get(node, ()))
+        found = tuple(GpuRef(node, index) for index in chosen)
+        if in_group:
+            return found
+        best = best or found
+    return best
 
 
 def _best_node(

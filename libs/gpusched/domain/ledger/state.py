@@ -14,9 +14,10 @@ from dataclasses import replace
 from datetime import datetime
 from types import MappingProxyType
 
+from gpusched.domain.fragmentation import Fragmentation, ModelDemand, ScoreWeights
 from gpusched.domain.inventory import GpuRef, Pool
 from gpusched.domain.placement import HostRoom, NodeFree, stranded
-from gpusched.domain.sharing import WHOLE_GPU_MILLI, SharedGpu, Tenant
+from gpusched.domain.sharing import PodShape, SharedGpu, Tenant
 
 from .errors import InvalidRequest, UnknownAllocation, UnknownGpu
 from .events import (
@@ -29,9 +30,10 @@ from .events import (
     LayoutFailed,
     LedgerEvent,
 )
-from .index import FractionIndex, FreeIndex
+from .index import FreeIndex
 from .model import Allocation, GpuSlot, GpuStatus, JobKind, NodeCondition, PoolCapacity
 from .requests import PlacementRequest, host_per_gpu
+from .scores import Scores
 
 __all__ = ["LedgerState"]
 
@@ -42,8 +44,8 @@ class LedgerState:
     __slots__ = (
         "_allocations",
         "_changed",
+        "_demand",
         "_down",
-        "_fractions",
         "_groups",
         "_hosts",
         "_index",
@@ -51,8 +53,10 @@ class LedgerState:
         "_layout_before",
         "_node_gpus",
         "_node_pool",
+        "_scores",
         "_shared",
         "_slots",
+        "_weights",
     )
 
     def __init__(
@@ -60,6 +64,7 @@ class LedgerState:
         gpus: Iterable[GpuSlot],
         hosts: Mapping[str, tuple[int, int]] | None = None,
         groups: Mapping[str, tuple[tuple[int, ...], ...]] | None = None,
+        weights: ScoreWeights | None = None,
     ) -> None:
         # Sorted once here so every query and strategy sees name order, then index.
         ordered = sorted(gpus, key=lambda slot: slot.ref)
@@ -100,9 +105,14 @@ class LedgerState:
         # While a layout change is pending: the layout the agent still has (it is the
         # GPU's layout again if the change fails).
         self._layout_before: dict[GpuRef, tuple[str, ...]] = {}
-        self._fractions = FractionIndex()
         for slot in ordered:
             self._index.add(slot)
+        # The cluster as the placement score reads it, kept in step node by node.
+        self._weights = weights or ScoreWeights()
+        self._scores = Scores(self._slots, self._hosts, self._weights)
+        # The GPU compute recent requests asked, by the models they accept: what model
+        # scarcity reads.
+        self._demand = ModelDemand()
         # GPUs the events since the last take_changed() touched: what a store writes.
         self._changed: dict[GpuRef, None] = {}
 
@@ -218,12 +228,6 @@ class LedgerState:
     def layout_before(self, ref: GpuRef) -> tuple[str, ...]:
         """The layout the agent still has while a change of ``ref`` is pending."""
         return self._layout_before.get(ref, ())
-
-    def node_free_milli(self, node: str) -> int:
-        """The GPU compute the node has unallocated, in milli: its free whole GPUs (lent
-        or not) and what is left on its partly used fractional GPUs."""
-        whole = sum(len(by_node.get(node, ())) for by_node in self._index.free.values())
-        return whole * WHOLE_GPU_MILLI + sum(self._fractions.node_lefts.get(node, {}).values())
 
     def _host_eligible(self, node: str, request: PlacementRequest) -> bool:
         """Whether a job without GPUs may run on ``node``: a node of its pools, up, not
@@ -346,6 +350,7 @@ class LedgerState:
             self._layout_before.pop(event.gpu, None)
 
     def _put(self, slot: GpuSlot) -> None:
+        self._scores.touch(slot.ref.node)
         old = self._slots[slot.ref]
         if self._indexed(old):
             self._index.remove(old)
@@ -359,21 +364,16 @@ class LedgerState:
     def _hold_hosts(self, allocation: Allocation, sign: int) -> None:
         if not (allocation.cpu_per_gpu or allocation.memory_per_gpu):
             return
-        fractions = self._fractions
         for node, (cpu, memory) in allocation.host_held().items():
             room = self._hosts.get(node)
             if room is None:
                 continue
-            sharing = node in fractions.node_lefts
-            if sharing:
-                fractions.index_host(node, room.cpu_free, add=False)
+            self._scores.touch(node)
             self._hosts[node] = replace(
                 room,
                 cpu_free=room.cpu_free + sign * cpu,
                 memory_free=room.memory_free + sign * memory,
             )
-            if sharing:
-                fractions.index_host(node, self._hosts[node].cpu_free, add=True)
 
     # --- sharing ---
 
@@ -389,28 +389,19 @@ class LedgerState:
         self._set_shared(ref, self._shared[ref].without(allocation.allocation_id))
 
     def _set_shared(self, ref: GpuRef, shared: SharedGpu) -> None:
-        """Keep the sharing state, the slot's status and the fraction index in step; a
-        GPU without tenants or layout leaves sharing."""
+        """Keep the sharing state and the slot's status in step; a GPU without tenants
+        or layout leaves sharing."""
+        self._scores.touch(ref.node)
         slot = self._slots[ref]
-        key = (slot.pool, slot.model)
-        fractions = self._fractions
-        old = self._shared.get(ref)
-        had_lefts = ref.node in fractions.node_lefts
-        if old is not None and not old.mig and old.milli_used < WHOLE_GPU_MILLI:
-            fractions.remove(ref, key, WHOLE_GPU_MILLI - old.milli_used)
-        if not shared.mig and shared.milli_used > (0 if old is None else old.milli_used):
-            fractions.took_fraction(ref.node)
         if shared.tenants or shared.layout:
             self._shared[ref] = shared
-            if not shared.mig and shared.milli_used < WHOLE_GPU_MILLI:
-                fractions.add(ref, key, WHOLE_GPU_MILLI - shared.milli_used)
             if slot.status is not GpuStatus.SHARED:
                 self._put(replace(slot, status=GpuStatus.SHARED))
         else:
             self._shared.pop(ref, None)
             if slot.status is GpuStatus.SHARED:
                 self._put(replace(slot, status=GpuStatus.FREE))
-        has_lefts = ref.node in fractions.node_lefts
-        host = self._hosts.get(ref.node)
-        if host is not None and had_lefts != has_lefts:
-            fractions.index_host(ref.node, host.cpu_free, add=has_lefts)
+
+    def _fragmentation(self, mix: tuple[tuple[PodShape, float], ...]) -> Fragmentation:
+        """The placement score's view, up to date with every change so far."""
+        return self._scores.refresh(self._slots, self._shared, self._hosts, self._down, mix)
