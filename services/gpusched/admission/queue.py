@@ -79,8 +79,11 @@ Shape = tuple[object, ...]
 
 
 def shape_of(job: JobRecord) -> Shape:
-    gpus = job.spec.gpus
-    return (job.spec.kind, gpus.count, gpus.model, gpus.memory_gib, gpus.milli)
+    gpus, host = job.spec.gpus, job.spec.host
+    return (
+        job.spec.kind, gpus.count, gpus.accepted, gpus.memory_gib, gpus.milli,
+        None if host is None else (host.cpu_milli, host.memory_mib),
+    )  # fmt: skip
 
 
 def _key(job: JobRecord) -> tuple[datetime, str]:

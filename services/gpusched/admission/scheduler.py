@@ -425,7 +425,7 @@ class Scheduler:
                 "job.placed",
                 entity=job.job_id,
                 reason=(
-                    f"{len(granted.gpus)} x {granted.model} free in the {granted.pool} pool"
+                    wire.placed_words(granted)
                     + (" (across nodes)" if spans else "")
                     + (" (borrowed beyond the team's guaranteed quota)" if borrowed else "")
                     + mig.share_words(granted.share)

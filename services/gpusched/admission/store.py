@@ -733,8 +733,11 @@ def _allocation(row: Any) -> Allocation:
         granted_at=row.granted_at,
         model=row.model,
         pool=Pool(row.pool),
+        cpu_per_gpu=row.cpu_per_gpu,
+        memory_per_gpu=row.memory_per_gpu,
         borrowed=row.borrowed,
         share=None if row.share is None else GpuShare(**row.share),
+        node=row.node,
     )
 
 
@@ -750,9 +753,11 @@ async def insert_allocations(
     await _execute_many(
         uow,
         f"INSERT INTO {_t(uow, 'allocations')} (allocation_id, job_id, team, kind, "
-        "priority_class, model, pool, gpus, attempt, granted_at, borrowed, share) VALUES "
+        "priority_class, model, pool, gpus, attempt, granted_at, borrowed, share, "
+        "cpu_per_gpu, memory_per_gpu, node) VALUES "
         "(:allocation_id, :job_id, :team, :kind, :priority_class, :model, :pool, "
-        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed, CAST(:share AS jsonb))",
+        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed, CAST(:share AS jsonb), "
+        ":cpu_per_gpu, :memory_per_gpu, :node)",
         [
             {
                 "allocation_id": allocation.allocation_id,
@@ -767,6 +772,9 @@ async def insert_allocations(
                 "granted_at": allocation.granted_at,
                 "borrowed": allocation.borrowed,
                 "share": _share(allocation),
+                "cpu_per_gpu": allocation.cpu_per_gpu,
+                "memory_per_gpu": allocation.memory_per_gpu,
+                "node": allocation.node,
             }
             for allocation, attempt in allocations
         ],
