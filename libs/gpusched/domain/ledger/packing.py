@@ -75,7 +75,7 @@ def pack(
     lent GPUs by best fit (``_best_node``). Then, if the job allows it, across nodes:
     the fewest nodes, the remainder on the tightest fit (``_fewest_nodes``). One node
     in a less preferred pool still beats spanning nodes in a preferred one, since
-    crossing nodes costs every training step.
+    crossing nodes costs every training step; among models, the least scarce first.
     """
     keys = [
         key for key in ledger._index.free if key[0] in request.pools and request.accepts(key[2])
@@ -92,8 +92,10 @@ def pack(
         if found is not None:
             return found
     if request.may_span_nodes:
+        # Across nodes, the least pressed model first (see model scarcity).
+        pressure = ledger._scores.pressure_of(ledger._fragmentation(mix), ledger._demand)
         for rank in tiers:
-            for key in by_tier[rank]:
+            for key in sorted(by_tier[rank], key=lambda key: (pressure.get(key[2], 1.0), key)):
                 found = _fewest_nodes(ledger, key, request)
                 if found is not None:
                     return found

@@ -231,6 +231,16 @@ class Scores:
         cost: Floats = self.weights.scarcity * gpu_milli * pressure
         return cost
 
+    def pressure_of(self, frag: Fragmentation, demand: ModelDemand) -> dict[str, float]:
+        """Each GPU model's pressure over the cluster's average (1 everywhere while no
+        recent request was constrained)."""
+        table = self.table
+        if not demand.constrained:
+            return dict.fromkeys(table.model_names, 1.0)
+        per_node = model_pressure(table, demand.shares(), frag.unallocated)
+        pairs = zip(table.model.tolist(), per_node.tolist(), strict=True)
+        return {table.model_names[model]: pressure for model, pressure in pairs}
+
     def _kept_for(self, key: tuple[object, ...]) -> _Kept:
         kept = self._kept.get(key)
         if kept is None:

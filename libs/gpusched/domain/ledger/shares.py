@@ -39,7 +39,8 @@ def place_share(
     """Where part of one GPU goes (``mix``: the workload's typical pod shapes, which
     the score of a fraction expects next), or None."""
     if ask.mig:
-        return _place_slice(ledger, request, ask)
+        pressure = ledger._scores.pressure_of(ledger._fragmentation(mix), ledger._demand)
+        return _place_slice(ledger, request, ask, pressure)
     return _place_fraction(ledger, request, ask, mix)
 
 
@@ -91,17 +92,20 @@ def _place_fraction(
     return None
 
 
-def _place_slice(ledger: LedgerState, request: PlacementRequest, ask: ShareAsk) -> Placement | None:
-    """A free slice of the smallest profile that holds the memory, on the GPU with the
-    fewest free slices; else an empty MIG-capable GPU gets a layout with that profile
-    (one already in MIG first, then a free GPU on the fullest node)."""
-    found, awaited = _free_slice(ledger, request, ask)
+def _place_slice(
+    ledger: LedgerState, request: PlacementRequest, ask: ShareAsk, pressure: dict[str, float]
+) -> Placement | None:
+    """A free slice of the smallest profile that holds the memory, of the least scarce
+    model the request accepts (``pressure``: each model's, see model scarcity), on the
+    GPU with the fewest free slices; else an empty MIG-capable GPU gets a layout with
+    that profile (one already in MIG first, then a free GPU on the fullest node)."""
+    found, awaited = _free_slice(ledger, request, ask, pressure)
     if found is not None:
         slot, share = found
         return Placement(request, (slot.ref,), slot.model, slot.pool, share)
     if ask.now is None or awaited:
         return None
-    slot_found = _empty_mig_gpu(ledger, request, ask)
+    slot_found = _empty_mig_gpu(ledger, request, ask, pressure)
     if slot_found is None:
         return None
     profile = ask.slice_profile(slot_found.model)
@@ -112,11 +116,11 @@ def _place_slice(ledger: LedgerState, request: PlacementRequest, ask: ShareAsk) 
 
 
 def _free_slice(
-    ledger: LedgerState, request: PlacementRequest, ask: ShareAsk
+    ledger: LedgerState, request: PlacementRequest, ask: ShareAsk, pressure: dict[str, float]
 ) -> tuple[tuple[GpuSlot, GpuShare] | None, bool]:
     """The free slice to use, and whether a slice that fits is on its way (a pending
     layout): waiting for it beats re-laying out another GPU."""
-    best: tuple[tuple[int, GpuRef], GpuSlot, GpuShare] | None = None
+    best: tuple[tuple[float, int, GpuRef], GpuSlot, GpuShare] | None = None
     awaited = False
     for ref, shared in ledger._shared.items():
         slot = ledger._slots.get(ref)
@@ -129,18 +133,20 @@ def _free_slice(
         if shared.pending:
             awaited = True
             continue
-        rank = (len(shared.free_slices()), ref)
+        rank = (pressure.get(slot.model, 1.0), len(shared.free_slices()), ref)
         if best is None or rank < best[0]:
             share = GpuShare(profile.milli, profile.memory_gib * 1024, profile.name, index)
             best = (rank, slot, share)
     return (None if best is None else (best[1], best[2])), awaited
 
 
-def _empty_mig_gpu(ledger: LedgerState, request: PlacementRequest, ask: ShareAsk) -> GpuSlot | None:
-    """An empty MIG-capable GPU whose layout may change now: one already in MIG first,
-    then the one on the node with the fewest free GPUs."""
+def _empty_mig_gpu(
+    ledger: LedgerState, request: PlacementRequest, ask: ShareAsk, pressure: dict[str, float]
+) -> GpuSlot | None:
+    """An empty MIG-capable GPU whose layout may change now: of the least scarce model,
+    one already in MIG first, then the one on the node with the fewest free GPUs."""
     assert ask.now is not None  # the caller's check
-    empty: tuple[tuple[int, int, GpuRef], GpuSlot] | None = None
+    empty: tuple[tuple[float, int, int, GpuRef], GpuSlot] | None = None
     for slot in ledger._slots.values():
         current = ledger._shared.get(slot.ref)
         if (
@@ -152,7 +158,12 @@ def _empty_mig_gpu(ledger: LedgerState, request: PlacementRequest, ask: ShareAsk
         ):
             continue
         node_free = len(ledger._index.on_node(key_of(slot), slot.ref.node))
-        order = (0 if current is not None else 1, node_free, slot.ref)
+        order = (
+            pressure.get(slot.model, 1.0),
+            0 if current is not None else 1,
+            node_free,
+            slot.ref,
+        )
         if empty is None or order < empty[0]:
             empty = (order, slot)
     return None if empty is None else empty[1]
