@@ -360,7 +360,7 @@ class WorkloadMix:
     whole would be worth nothing).
     """
 
-    __slots__ = ("_counts", "_halve_every", "_seen", "_top", "_typical")
+    __slots__ = ("_counts", "_halve_every", "_kept", "_seen", "_top", "_typical")
 
     def __init__(self, top: int = 16, halve_every: int = 4096) -> None:
         self._counts: dict[PodShape, float] = {WHOLE_GPU_POD: 1.0}
@@ -368,6 +368,7 @@ class WorkloadMix:
         self._halve_every = halve_every
         self._seen = 0
         self._typical: tuple[tuple[PodShape, float], ...] | None = None
+        self._kept: tuple[tuple[PodShape, float], ...] = ()
 
     def observe(self, shape: PodShape) -> None:
         self._counts[shape] = self._counts.get(shape, 0.0) + 1.0
@@ -381,12 +382,30 @@ class WorkloadMix:
 
     def typical(self) -> tuple[tuple[PodShape, float], ...]:
         """The most frequent shapes with their probabilities (summing to 1), most frequent
-        first."""
+        first. The same object while a new ranking would only move the probabilities a
+        little (under _DRIFT each): the placement score then keeps what it computed."""
         if self._typical is None:
             ranked = sorted(self._counts.items(), key=lambda item: -item[1])[: self._top]
             total = sum(count for _, count in ranked)
-            self._typical = tuple((shape, count / total) for shape, count in ranked)
+            typical = tuple((shape, count / total) for shape, count in ranked)
+            if not _alike(typical, self._kept):
+                self._kept = typical
+            self._typical = self._kept
         return self._typical
+
+
+# A new ranking whose probabilities all moved less than this (relative) keeps the old.
+_DRIFT = 0.1
+
+
+def _alike(
+    new: tuple[tuple[PodShape, float], ...], old: tuple[tuple[PodShape, float], ...]
+) -> bool:
+    before = dict(old)
+    return len(new) == len(before) and all(
+        shape in before and abs(weight - before[shape]) <= _DRIFT * before[shape]
+        for shape, weight in new
+    )
 
 
 # --- layout changes and time-of-day modes ------------------------------------------
