@@ -229,7 +229,7 @@ class Outcomes:
             return 0.0
         if stopped.reason is StopReason.INTERRUPTED:
             # Not the job's fault: like a node failure, for this one allocation.
-            node = held.allocation.gpus[0].node if held.allocation.gpus else "?"
+            node = held.allocation.nodes[0] if held.allocation.nodes else "?"
             return await requeue_lost(
                 uow, held.allocation, node, now, envelope.id,
                 cause=f"its workload on node {node} was interrupted (the cluster agent stopped)",

@@ -13,11 +13,17 @@ The package, one seam per module:
 - ``events``: what commands decide and ``apply`` replays.
 - ``requests``: what a job asks (``PlacementRequest``) and is proposed (``Placement``),
   and which free GPUs may form one gang.
-- ``index``: the free-capacity indexes placement reads, kept in step with every change.
+- ``index``: the index of free whole GPUs, kept in step with every change.
+- ``scores``: the node table the placement score reads (``gpusched.domain.fragmentation``),
+  kept in step node by node, and each request shape's node scores.
 - ``state``: the state and its evolution by events, and the read-only queries.
 - ``aggregate``: ``Ledger``, the commands (decide, then evolve) and ``apply``.
 - ``packing``: whole GPUs (``pack``, and ``first_fit`` to measure it against).
 - ``shares``: part of one GPU, a fraction or a MIG slice.
+- ``host``: a job without GPUs (host CPU and memory alone).
+
+A simulator runs the same placement as the service: ``Ledger.from_inventory``, then per
+job ``place`` (None: it waits) and ``allocate``, and ``release`` when it ends.
 
 Host room: each node's CPU and memory left; an allocation holds ``cpu_per_gpu`` and
 ``memory_per_gpu`` on the node of each of its GPUs (0 when the request named none).
