@@ -143,6 +143,33 @@ def test_the_growth_of_taking_whole_gpus_is_the_fragment_after_minus_before(
     assert abs(float(growth[0]) - (fragment(after, mix) - fragment(table, mix))) < 1e-6
 
 
+@given(
+    nodes=st.lists(
+        st.tuples(st.lists(st.integers(0, WHOLE), min_size=1, max_size=8),
+                  st.integers(0, 128_000)),
+        min_size=1, max_size=5,
+    ),
+    shapes=SHAPES,
+    pod=st.tuples(st.integers(0, 8), st.integers(0, 32_000)),
+)  # fmt: skip
+def test_one_node_in_plain_python_scores_as_every_node_at_once(
+    nodes: list[tuple[list[int], int]], shapes: list[tuple[int, int, int]], pod: tuple[int, int]
+) -> None:
+    table = NodeTable([(f"n{i}", "T4", len(lefts)) for i, (lefts, _) in enumerate(nodes)])
+    for row, (lefts, cpu) in enumerate(nodes):
+        table.left[row, : len(lefts)] = lefts
+        table.set_host(row, cpu, 64 * GIB)
+    frag = Fragmentation(table, PodTypes(mix_of(shapes)))
+    every = np.arange(len(nodes))
+    fresh = frag.value.copy()
+    frag.refresh([0])  # one node: the plain Python path
+    assert np.allclose(frag.value, fresh)
+    gpus, cpu = pod
+    at_once = frag.growth_whole(every, gpus, cpu, 0)
+    one_by_one = [frag.growth_whole_one(row, gpus, cpu, 0) for row in range(len(nodes))]
+    assert np.allclose(at_once, one_by_one)
+
+
 def test_refreshing_a_changed_node_gives_the_fragment_computed_afresh() -> None:
     mix = [(WHOLE_POD, 0.5), (HALF_POD, 0.5)]
     table = NodeTable([("a", "T4", 2), ("b", "T4", 2)])

@@ -25,6 +25,7 @@ models to the pods that need them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ __all__ = [
 WHOLE = 1000
 # Host room of a node whose CPU or memory the ledger does not limit.
 UNLIMITED = 2**62
+# Up to this many changed nodes are recomputed one by one, in plain Python.
+_ONE_BY_ONE = 4
 
 Ints = npt.NDArray[np.int64]
 Floats = npt.NDArray[np.float64]
@@ -139,7 +142,7 @@ class NodeTable:
         return found
 
     def unallocated(self) -> Ints:
-        free: Ints = self.left.clip(0).sum(axis=1)
+        free: Ints = np.maximum(self.left, 0).sum(axis=1)
         return free
 
 
@@ -210,6 +213,13 @@ class Fragmentation:
         self._cpu = types.cpu[:, None]
         self._memory = types.memory[:, None]
         self._weight = types.weight[:, None]
+        # The types as plain numbers, for one node at a time.
+        self._lists = list(
+            zip(
+                types.milli.tolist(), types.gpus.tolist(), types.cpu.tolist(),
+                types.memory.tolist(), types.weight.tolist(), strict=True,
+            )
+        )  # fmt: skip
         self._access: Bools = (
             np.stack([table.access(models) for models in types.models])
             if len(types)
@@ -244,12 +254,16 @@ class Fragmentation:
         changed = np.fromiter(rows, dtype=np.int64)
         if not len(changed):
             return
+        if len(changed) <= _ONE_BY_ONE:
+            for row in changed.tolist():
+                self._refresh_one(row)
+            return
         table = self.table
         left = table.left[changed][None, :, :]
         milli = self.types.milli[:, None, None]
         self.count[:, changed] = (left >= milli).sum(axis=2)
         self.part[:, changed] = np.where((left >= 0) & (left < milli), left, 0).sum(axis=2)
-        self.unallocated[changed] = table.left[changed].clip(0).sum(axis=1)
+        self.unallocated[changed] = np.maximum(table.left[changed], 0).sum(axis=1)
         self.value[changed] = self.after(
             changed,
             self.count[:, changed],
@@ -258,6 +272,50 @@ class Fragmentation:
             table.cpu[changed],
             table.memory[changed],
         )
+
+    def _refresh_one(self, row: int) -> None:
+        """``refresh`` of one node in plain Python: a decision changes one or two nodes,
+        and for so few numbers numpy's per-call cost is most of the work."""
+        table = self.table
+        lefts = sorted(left for left in table.left[row].tolist() if left >= 0)
+        counts: list[int] = []
+        parts: list[int] = []
+        for milli, *_ in self._lists:
+            below = bisect_left(lefts, milli)
+            counts.append(len(lefts) - below)
+            parts.append(sum(lefts[:below]))
+        unallocated = sum(lefts)
+        self.count[:, row] = counts
+        self.part[:, row] = parts
+        self.unallocated[row] = unallocated
+        self.value[row] = self._expected(
+            row, counts, parts, unallocated, int(table.cpu[row]), int(table.memory[row])
+        )
+
+    def growth_whole_one(self, row: int, gpus: int, cpu: int, memory: int) -> float:
+        """``growth_whole`` of one node, in plain Python (see ``_refresh_one``)."""
+        table = self.table
+        after = self._expected(
+            row,
+            [count - gpus for count in self.count[:, row].tolist()],
+            self.part[:, row].tolist(),
+            int(self.unallocated[row]) - gpus * WHOLE,
+            int(table.cpu[row]) - cpu,
+            int(table.memory[row]) - memory,
+        )
+        return after - float(self.value[row])
+
+    def _expected(
+        self, row: int, counts: list[int], parts: list[int], unallocated: int, cpu: int,
+        memory: int,
+    ) -> float:  # fmt: skip
+        """``after`` of one node, in plain Python."""
+        value = 0.0
+        access = self._access[:, row].tolist()
+        for t, (_, gpus, pod_cpu, pod_memory, weight) in enumerate(self._lists):
+            fits = access[t] and cpu >= pod_cpu and memory >= pod_memory and counts[t] >= gpus
+            value += weight * (parts[t] if fits else unallocated)
+        return value
 
     def growth_whole(self, rows: Ints, gpus: int, cpu: int, memory: int) -> Floats:
         """How much taking ``gpus`` free whole GPUs (0: host only) and that host room

@@ -46,9 +46,11 @@ __all__ = ["Scores"]
 # Request shapes whose node scores are kept (least recently used ones are dropped).
 _SHAPES_KEPT = 256
 # Beyond this share of the nodes changed, a shape's scores are recomputed whole.
-_RECOMPUTE_ALL = 0.25
+_RECOMPUTE_ALL = 0.5
 # Among GPUs of one node that score alike, the one with least compute left.
 _TIGHTER = 1e-6
+# Up to this many nodes to rescore, one by one.
+_ONE_BY_ONE = 4
 
 
 @dataclass(slots=True)
@@ -158,10 +160,9 @@ class Scores:
                 table.set_host(row, UNLIMITED, UNLIMITED)
             else:
                 table.set_host(row, room.cpu_free, room.memory_free)
-            is_down = name in down
-            for col, ref in enumerate(self.refs[row]):
-                table.left[row, col] = 0 if is_down else _left(slots[ref], shared.get(ref))
-            self.free_whole[row] = int((table.left[row] == WHOLE).sum())
+            lefts = [0 if name in down else _left(slots[r], shared.get(r)) for r in self.refs[row]]
+            table.left[row, : len(lefts)] = lefts
+            self.free_whole[row] = lefts.count(WHOLE)
         if self._frag is None or mix is not self._mix:
             self._mix = mix
             types = PodTypes([(_pod_type(shape), weight) for shape, weight in mix])
@@ -182,7 +183,13 @@ class Scores:
         kept = self._kept_for(("whole", gpus, cpu, memory))
 
         def compute(rows: Ints) -> None:
-            growth = frag.growth_whole(rows, gpus, cpu, memory)
+            if len(rows) <= _ONE_BY_ONE:
+                # A node or two changed since: plain Python beats numpy's per-call cost.
+                growth = np.array(
+                    [frag.growth_whole_one(row, gpus, cpu, memory) for row in rows.tolist()]
+                )
+            else:
+                growth = frag.growth_whole(rows, gpus, cpu, memory)
             kept.score[rows] = self._terms(frag, rows, growth, gpus * WHOLE, cpu)
 
         return self._update(kept, compute).score
