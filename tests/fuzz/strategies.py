@@ -153,8 +153,10 @@ SUBMIT_FIELDS: dict[str, list[Any]] = {
     "checkpointable": HOSTILE_FLAGS,
     "estimated_checkpoint_s": HOSTILE_NUMBERS,
     "gpus": [None, 5, "two", [], MEGABYTE],
-    "gpus.count": [*HOSTILE_NUMBERS, 0, 1025, None],
+    # 0 is a job without GPUs: valid with host CPU or memory (see "host" below).
+    "gpus.count": [*HOSTILE_NUMBERS, 1025, None],
     "gpus.model": HOSTILE_STRINGS,
+    "gpus.models": [[], "T4", [None], ["x"] * 33, MEGABYTE, ["\x00"], ["\u202eevil"], [12345]],
     "gpus.memory_gib": [*HOSTILE_NUMBERS, 0],
     "gpus.milli": [*HOSTILE_NUMBERS, 0, 1001],
     "gpus.min_count": [*HOSTILE_NUMBERS, 0],
@@ -164,6 +166,9 @@ SUBMIT_FIELDS: dict[str, list[Any]] = {
     "workload.argv": [["x"] * 257, ["x" * 4000] * 17, [MEGABYTE], "python train.py", [1, 2]],
     "workload.argv.1": HOSTILE_STRINGS,
     "replicas": [{"min": 3, "max": 2}, {"min": 0}, {"max": 10**18}, {"min": math.nan}],
+    "host": [5, "all", []],
+    "host.cpu_milli": [*HOSTILE_NUMBERS, 10**9 + 1],
+    "host.memory_mib": [*HOSTILE_NUMBERS, 2**30 + 1],
 }
 
 

@@ -53,7 +53,11 @@ def test_every_command_has_help() -> None:
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--gpus", "0"], "gpusched: invalid gpus.count (--gpus): Input should be greater than"),
+        (["--gpus", "-1"], "gpusched: invalid gpus.count (--gpus): Input should be greater than"),
+        (["--gpus", "0"], "gpusched: invalid host (--cpu-milli, --host-memory-mib): a job without"),
+        (["--gpus", "0", "--model", "V100"], "gpusched: invalid gpus: a job without GPUs (count 0) asks no model"),
+        (["--gpus", "1", "--models", "A|"], "gpusched: invalid gpus.models.1 (--models): "),
+        (["--gpus", "1", "--cpu-milli", "-5"], "gpusched: invalid host.cpu_milli (--cpu-milli)"),
         (["--gpus", "1", "--milli", "2000"], "gpusched: invalid gpus.milli (--milli): Input"),
         (["--gpus", "1", "--team", "a b"], "gpusched: invalid team (--team): team 'a b' cannot"),
         (["--gpus", "1", "--replicas", "5:2"], "gpusched: invalid replicas '5:2' (--replicas)"),

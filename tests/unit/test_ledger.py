@@ -496,6 +496,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.events: list[LedgerEvent] = []
         self.now = T0
         self.next_id = 0
+        # A store that writes only the GPUs the ledger names as changed (as admission's).
+        self.stored = {slot.ref: slot for slot in self.ledger.gpus}
 
     def tick(self) -> datetime:
         self.now += timedelta(minutes=1)
@@ -532,6 +534,39 @@ class LedgerMachine(RuleBasedStateMachine):
         self.events.append(
             self.ledger.allocate(allocation_id, placement, "team", priority, self.tick())
         )
+
+    @rule(
+        cpu=st.integers(min_value=1, max_value=120_000),
+        gpus=st.integers(min_value=0, max_value=4),
+        models=st.sampled_from([(), ("T4",), ("A100-80GB", "T4"), ("V100M16",)]),
+    )
+    def place_with_host_room(self, cpu: int, gpus: int, models: tuple[str, ...]) -> None:
+        self.next_id += 1
+        request = PlacementRequest(
+            f"job-{self.next_id}", JobKind.TRAINING, gpus, cpu_milli=cpu,
+            models=models if gpus else (),
+        )  # fmt: skip
+        placement = self.ledger.place(request)
+        if placement is None:
+            return
+        assert all(request.accepts(self.ledger.gpu(ref).model) for ref in placement.gpus)
+        allocation_id = f"alloc-{self.next_id}"
+        self.events.append(
+            self.ledger.allocate(
+                allocation_id, placement, "team", PriorityClass.P2_OFFLINE, self.tick()
+            )
+        )
+
+    @invariant()
+    def every_hosts_room_is_its_total_less_what_allocations_hold(self) -> None:
+        held: dict[str, int] = {}
+        for allocation in self.ledger.allocations.values():
+            for node, (cpu, _) in allocation.host_held().items():
+                held[node] = held.get(node, 0) + cpu
+        for node in MACHINE_INVENTORY.nodes:
+            room = self.ledger.host_room(node.name)
+            assert room is not None
+            assert room.cpu_free == node.cpu_milli - held.get(node.name, 0) >= 0
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
@@ -612,6 +647,12 @@ class LedgerMachine(RuleBasedStateMachine):
             if allocation.kind is JobKind.TRAINING:
                 pools = {self.ledger.gpu(ref).pool for ref in allocation.gpus}
                 assert Pool.INFERENCE not in pools
+
+    @invariant()
+    def a_store_writing_only_what_changed_stays_equal_to_the_ledger(self) -> None:
+        for ref in self.ledger.take_changed():
+            self.stored[ref] = self.ledger.gpu(ref)
+        assert self.stored == {slot.ref: slot for slot in self.ledger.gpus}
 
     @invariant()
     def replaying_the_events_rebuilds_the_same_ledger(self) -> None:

@@ -188,7 +188,7 @@ def test_stranded_gpus_are_those_the_leftover_cpu_cannot_feed() -> None:
     jobs=st.lists(st.integers(min_value=1, max_value=8), max_size=12),
     wanted=st.integers(min_value=1, max_value=8),
 )
-def test_a_gang_that_fits_one_node_goes_to_the_tightest_node_that_fits(
+def test_a_gang_that_fits_one_node_stays_on_one_node_and_takes_an_exact_fit_if_there_is_one(
     sizes: list[int], jobs: list[int], wanted: int
 ) -> None:
     ledger = Ledger.from_inventory(
@@ -205,6 +205,8 @@ def test_a_gang_that_fits_one_node_goes_to_the_tightest_node_that_fits(
 
     if fitting:
         assert placement is not None and not placement.spans_nodes
-        assert free[placement.nodes[0]] == min(fitting)
+        # Filling a node leaves nothing to fragment: no other node scores better.
+        if wanted in fitting:
+            assert free[placement.nodes[0]] == wanted
     else:
         assert (placement is None) == (sum(free.values()) < wanted)

@@ -1,13 +1,10 @@
-"""Fragmentation-aware placement of fractions, without I/O: the FGD fragment of a node
-(Weng et al., ATC'23), the workload mix it is measured against, and the ledger's choice
-among candidate GPUs (it must not strand a host's free GPUs)."""
+"""Fragmentation-aware placement of fractions, without I/O: the workload mix the FGD
+fragment (Weng et al., ATC'23; tests/unit/test_fragmentation.py) is measured against,
+and the ledger's choice among candidate GPUs (it must not strand a host's free GPUs)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-
-from hypothesis import given
-from hypothesis import strategies as st
 
 from gpusched.domain.inventory import GpuRef, GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import (
@@ -20,84 +17,15 @@ from gpusched.domain.ledger import (
 from gpusched.domain.sharing import (
     WHOLE_GPU_MILLI,
     GpuShare,
-    NodeRoom,
     PodShape,
     ShareAsk,
     WorkloadMix,
-    node_fragment,
 )
 
 GIB = 1024
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
 WHOLE_POD = PodShape(1, WHOLE_GPU_MILLI, 8_000, 16 * GIB)
 HALF_POD = PodShape(1, 500, 4_000, 8 * GIB)
-
-
-# --- the fragment of one node ------------------------------------------------------------
-
-
-def test_a_node_whose_host_lacks_the_pods_cpu_loses_all_its_free_gpu_capacity() -> None:
-    room = NodeRoom(whole=2, lefts=(300,), cpu_free=7_000, memory_free=64 * GIB)
-    assert node_fragment(room, [(WHOLE_POD, 1.0)]) == 2_300
-
-
-def test_for_a_whole_gpu_pod_every_partly_used_gpu_is_a_fragment() -> None:
-    room = NodeRoom(whole=2, lefts=(300, 600), cpu_free=64_000, memory_free=64 * GIB)
-    assert node_fragment(room, [(WHOLE_POD, 1.0)]) == 900
-
-
-def test_for_a_fraction_only_gpus_with_less_left_than_it_asks_are_fragments() -> None:
-    room = NodeRoom(whole=0, lefts=(300, 600), cpu_free=64_000, memory_free=64 * GIB)
-    assert node_fragment(room, [(HALF_POD, 1.0)]) == 300
-    # No GPU holds 700: the pod cannot run here, so all that is free is lost to it.
-    seven = PodShape(1, 700, 0, 0)
-    assert node_fragment(room, [(seven, 1.0)]) == 900
-
-
-def test_a_gang_larger_than_the_free_whole_gpus_loses_the_whole_node() -> None:
-    room = NodeRoom(whole=3, lefts=(), cpu_free=None, memory_free=None)
-    assert node_fragment(room, [(PodShape(4, WHOLE_GPU_MILLI, 0, 0), 1.0)]) == 3_000
-    assert node_fragment(room, [(PodShape(2, WHOLE_GPU_MILLI, 0, 0), 1.0)]) == 0
-
-
-def test_the_fragment_is_the_expectation_over_the_workload_mix() -> None:
-    room = NodeRoom(whole=1, lefts=(300,), cpu_free=64_000, memory_free=64 * GIB)
-    mix = [(WHOLE_POD, 0.5), (HALF_POD, 0.5)]
-    assert node_fragment(room, mix) == 0.5 * 300 + 0.5 * 300
-
-
-def test_a_node_with_nothing_free_has_no_fragment() -> None:
-    assert node_fragment(NodeRoom(0, (), 0, 0), [(WHOLE_POD, 1.0)]) == 0
-
-
-def test_taking_a_fraction_uses_the_gpu_and_the_host() -> None:
-    room = NodeRoom(whole=2, lefts=(400,), cpu_free=20_000, memory_free=64 * GIB)
-    on_shared = room.taking(400, 400, 4_000, 8 * GIB)
-    assert on_shared == NodeRoom(2, (), 16_000, 56 * GIB)
-    on_free = room.taking(None, 300, 4_000, 8 * GIB)
-    assert on_free == NodeRoom(1, (400, 700), 16_000, 56 * GIB)
-
-
-@given(
-    whole=st.integers(0, 8),
-    lefts=st.lists(st.integers(1, 999), max_size=8),
-    cpu=st.integers(0, 128_000),
-    shapes=st.lists(
-        st.tuples(st.integers(1, 8), st.integers(1, 1000), st.integers(0, 64_000)),
-        min_size=1,
-        max_size=6,
-    ),
-)
-def test_a_fragment_is_never_more_than_what_the_node_has_free(
-    whole: int, lefts: list[int], cpu: int, shapes: list[tuple[int, int, int]]
-) -> None:
-    mix = [
-        (PodShape(gpus if milli == WHOLE_GPU_MILLI else 1, milli, pod_cpu, 0), 1 / len(shapes))
-        for gpus, milli, pod_cpu in shapes
-    ]
-    room = NodeRoom(whole, tuple(lefts), cpu, 1 << 30)
-    fragment = node_fragment(room, mix)
-    assert 0 <= fragment <= whole * WHOLE_GPU_MILLI + sum(lefts) + 1e-6
 
 
 # --- the workload mix ---------------------------------------------------------------------

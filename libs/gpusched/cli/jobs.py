@@ -42,9 +42,12 @@ REQUEST_FIELDS: dict[str, str] = {
     "priority": "priority_class",
     "gpus": "gpus.count",
     "model": "gpus.model",
+    "models": "gpus.models",
     "milli": "gpus.milli",
     "memory_gib": "gpus.memory_gib",
     "min_gpus": "gpus.min_count",
+    "cpu_milli": "host.cpu_milli",
+    "host_memory_mib": "host.memory_mib",
     "replicas": "replicas",
     "idempotency_key": "idempotency_key",
     "command": "workload.argv",
@@ -79,6 +82,10 @@ def submit(
     team: Annotated[str | None, typer.Option(help="your team (as your credentials say)")] = None,
     gpus: Annotated[int | None, typer.Option(help="GPUs (per replica for a service)")] = None,
     model: Annotated[str | None, typer.Option(help="GPU model, e.g. A100-80GB")] = None,
+    models: Annotated[
+        str | None,
+        typer.Option(help="several acceptable GPU models, any one of them: V100M16|V100M32"),
+    ] = None,
     milli: Annotated[
         int | None, typer.Option(help="a fraction of one GPU in 1/1000 (1..999)")
     ] = None,
@@ -87,6 +94,15 @@ def submit(
     ] = None,
     min_gpus: Annotated[
         int | None, typer.Option(help="the fewest GPUs accepted after a long wait")
+    ] = None,
+    cpu_milli: Annotated[
+        int | None,
+        typer.Option(
+            help="host CPU in 1/1000 of a core (per replica); with --gpus 0 a CPU-only job"
+        ),
+    ] = None,
+    host_memory_mib: Annotated[
+        int | None, typer.Option(help="host memory in MiB (per replica)")
     ] = None,
     priority: Annotated[Priority | None, typer.Option(help="priority class")] = None,
     kind: Annotated[Kind | None, typer.Option(help="training (default) or inference")] = None,
@@ -114,9 +130,12 @@ def submit(
         "priority": priority,
         "gpus": gpus,
         "model": model,
+        "models": None if models is None else [m.strip() for m in models.split("|")],
         "milli": milli,
         "memory_gib": memory_gib,
         "min_gpus": min_gpus,
+        "cpu_milli": cpu_milli,
+        "host_memory_mib": host_memory_mib,
         "replicas": _replicas(replicas),
         "idempotency_key": idempotency_key,
         "command": command or None,
@@ -180,8 +199,16 @@ def _submit_request(document: dict[str, Any]) -> Any:
         return SubmitJob.model_validate(document)
     except ValidationError as exc:
         field, message = first_error(exc)
-        options = [o for o, f in REQUEST_FIELDS.items() if field == f or field.startswith(f + ".")]
-        hint = f" (--{options[0].replace('_', '-')})" if options and options[0] != "command" else ""
+        # The option of the field, or of its parent; a rule over a whole group (`host`)
+        # names the group's options when they are few.
+        options = [
+            o
+            for o, f in REQUEST_FIELDS.items()
+            if o != "command" and (field == f or field.startswith(f + "."))
+        ] or [o for o, f in REQUEST_FIELDS.items() if f.startswith(field + ".")]
+        hint = ""
+        if 0 < len(options) <= 2:
+            hint = f" ({', '.join('--' + o.replace('_', '-') for o in options)})"
         raise BadInput(f"invalid {field}{hint}: {message}") from None
 
 

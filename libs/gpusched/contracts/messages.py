@@ -14,7 +14,15 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gpusched.contracts.subjects import check_token
 from gpusched.contracts.validation import (
@@ -22,9 +30,11 @@ from gpusched.contracts.validation import (
     Attempt,
     Bytes,
     Count,
+    CpuMilli,
     Credentials,
     Document,
     Fraction,
+    GpuAsk,
     GpuCount,
     GpuIndex,
     Id,
@@ -238,13 +248,53 @@ class PriorityClassName(StrEnum):
     P2_OFFLINE = "p2-offline"
 
 
+# A GPU model as the inventory names it: never empty.
+GpuModelName = Annotated[Name, Field(min_length=1)]
+
+
 class GpuRequest(Public):
-    count: GpuCount
-    model: Name | None = None
+    # 0: a job of host CPU and memory alone (asked under `host`), placed on a GPU node.
+    count: GpuAsk
+    model: GpuModelName | None = None
+    # Several acceptable GPU models, any one of them (a gang never mixes models), as a
+    # trace's `V100M16|V100M32`; instead of `model`.
+    models: list[GpuModelName] | None = Field(default=None, min_length=1, max_length=32)
     memory_gib: float | None = Field(default=None, gt=0, le=1024 * 1024, strict=True)
     milli: Milli | None = None
     # The fewest GPUs the job accepts after a long wait (DESIGN §7); None: exactly `count`.
     min_count: GpuCount | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GpuRequest:
+        if self.model is not None and self.models is not None:
+            raise ValueError("give gpus.model or gpus.models, not both")
+        if self.count == 0:
+            asked = [
+                name
+                for name in ("model", "models", "memory_gib", "milli", "min_count")
+                if getattr(self, name) is not None
+            ]
+            if asked:
+                raise ValueError(
+                    f"a job without GPUs (count 0) asks no {', '.join(asked)}; ask host "
+                    "CPU and memory under `host`"
+                )
+        return self
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        """The models the job accepts, sorted (empty: any)."""
+        if self.models is not None:
+            return tuple(sorted(set(self.models)))
+        return () if self.model is None else (self.model,)
+
+
+class HostRequest(Public):
+    """Host CPU and memory a job needs beside its GPUs (each replica of a service), on
+    the node of its GPUs (split evenly across nodes for a gang that spans them)."""
+
+    cpu_milli: CpuMilli = 0  # 1/1000 of a core
+    memory_mib: MiB = 0
 
 
 class WorkloadSpec(Public):
@@ -291,11 +341,28 @@ class SubmitJob(Public):
     workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
     # Inference only; None: one replica, placed as the job's one allocation.
     replicas: Replicas | None = None
+    # Host CPU and memory beside the GPUs; None: not accounted (a node's share per GPU
+    # is billed). Required for a job without GPUs.
+    host: HostRequest | None = Field(default=None, validate_default=True)
 
     @field_validator("team")
     @classmethod
     def _team_is_token(cls, v: str) -> str:
         return check_token(v, "team")
+
+    @field_validator("host")
+    @classmethod
+    def _host_for_no_gpu(cls, v: HostRequest | None, info: ValidationInfo) -> HostRequest | None:
+        gpus = info.data.get("gpus")
+        if (
+            gpus is not None
+            and gpus.count == 0
+            and (v is None or not (v.cpu_milli or v.memory_mib))
+        ):
+            raise ValueError(
+                "a job without GPUs (gpus.count 0) asks host.cpu_milli or host.memory_mib"
+            )
+        return v
 
 
 class ApiError(Public):
@@ -360,6 +427,9 @@ class JobView(Wire):
     gpus: GpuRequest
     allocation_id: str | None = None
     allocated: list[GpuRef] = Field(default_factory=list)
+    # Host CPU and memory it asked; the node a job without GPUs runs on.
+    host: HostRequest | None = None
+    node: str | None = None
     resume_from: CheckpointInfo | None = None
     latest_checkpoint: CheckpointInfo | None = None
     submitted_at: datetime
@@ -551,6 +621,8 @@ class AllocationGranted(Wire):
     borrowed: bool = False
     # Part of its one GPU (fractional or MIG); None: every GPU in `gpus` is whole.
     share: GpuShare | None = None
+    # A job without GPUs: the node whose host CPU and memory it holds.
+    node: str | None = None
 
 
 class AllocationReleased(Wire):
@@ -807,6 +879,8 @@ class StartWorkload(Wire):
     resume_from: CheckpointInfo | None = None
     # Part of its one GPU: the agent caps the workload's memory and compute to it.
     share: GpuShare | None = None
+    # A job without GPUs (`gpus` empty): the node it runs on.
+    node: str | None = None
     # The job's own NATS credentials (a .creds text: publish its events, read its
     # control subject), valid until `credentials_expire_at` unless renewed. A secret:
     # never logged or audited.

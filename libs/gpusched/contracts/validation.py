@@ -51,9 +51,11 @@ __all__ = [
     "Attempt",
     "Bytes",
     "Count",
+    "CpuMilli",
     "Document",
     "EdgeClock",
     "Fraction",
+    "GpuAsk",
     "GpuCount",
     "GpuIndex",
     "Id",
@@ -186,6 +188,10 @@ Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
 MiB = Annotated[int, Strict(), Field(ge=0, le=MAX_MIB)]
 GpuIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_GPUS)]
 GpuCount = Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS)]
+# GPUs a job asks: 0 for a job of host CPU and memory alone.
+GpuAsk = Annotated[int, Strict(), Field(ge=0, le=MAX_GPUS)]
+# Host CPU in 1/1000 of a core, as node specs state it.
+CpuMilli = Annotated[int, Strict(), Field(ge=0, le=10**9)]
 Milli = Annotated[int, Strict(), Field(ge=1, le=1000)]
 Attempt = Annotated[int, Strict(), Field(ge=1, le=MAX_ATTEMPTS)]
 StrictFlag = Annotated[bool, Strict()]

@@ -33,7 +33,6 @@ __all__ = [
     "MigMode",
     "MigProfile",
     "ModeSchedule",
-    "NodeRoom",
     "Overcommit",
     "PodShape",
     "ShareAsk",
@@ -47,7 +46,6 @@ __all__ = [
     "fraction_memory_mib",
     "layout_valid",
     "mig_capable",
-    "node_fragment",
     "profile",
     "profiles_of",
     "smallest_profile",
@@ -170,8 +168,9 @@ class Overcommit:
 
 
 def fraction_memory_mib(milli: int, gpu_memory_mib: int) -> int:
-    """The default memory cap of a fraction: its share of the GPU's memory."""
-    return -(-milli * gpu_memory_mib // WHOLE_GPU_MILLI)
+    """The default memory cap of a fraction: its share of the GPU's memory, rounded
+    down, so fractions whose compute adds up to the whole GPU fit its memory too."""
+    return max(1, milli * gpu_memory_mib // WHOLE_GPU_MILLI)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,81 +326,26 @@ def best_fraction(
     return chosen
 
 
-# --- fragmentation (FGD) -------------------------------------------------------------
+# --- the workload mix (what placement scores expect) -------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class PodShape:
-    """What one pod of the workload asks: whole GPUs (``milli`` 1000) or a fraction of one."""
+    """What one pod of the workload asks: whole GPUs (``milli`` 1000) or a fraction of one,
+    host CPU and memory, and the GPU models it accepts (empty: any)."""
 
     gpus: int
     milli: int
     cpu_milli: int
     memory_mib: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRoom:
-    """What a node has left for the next pod: free whole GPUs, the compute left on its
-    partly used fractional GPUs, and its host's CPU and memory (None: not limited)."""
-
-    whole: int
-    lefts: tuple[int, ...]
-    cpu_free: int | None = None
-    memory_free: int | None = None
-
-    def taking(self, left: int | None, milli: int, cpu_milli: int, memory_mib: int) -> NodeRoom:
-        """The room after a fraction of ``milli`` lands on the partly used GPU with
-        ``left`` compute left, or (``left`` None) on a free whole GPU."""
-        lefts = list(self.lefts)
-        whole = self.whole
-        if left is None:
-            whole -= 1
-            left = WHOLE_GPU_MILLI
-        else:
-            lefts.remove(left)
-        if left > milli:
-            lefts.append(left - milli)
-        return NodeRoom(
-            whole,
-            tuple(lefts),
-            None if self.cpu_free is None else self.cpu_free - cpu_milli,
-            None if self.memory_free is None else self.memory_free - memory_mib,
-        )
-
-
-def node_fragment(room: NodeRoom, mix: Sequence[tuple[PodShape, float]]) -> float:
-    """The node's free GPU compute (milli) that the workload's typical pod cannot use,
-    expected over ``mix`` (pod shapes and their probabilities): the fragment of Weng et
-    al., "Beware of Fragmentation" (USENIX ATC'23).
-
-    For one shape: everything free when the pod cannot run on the node at all (host
-    CPU or memory short, fewer whole GPUs than it asks, no GPU with its fraction left);
-    otherwise the compute left on GPUs that have less than the pod asks.
-    """
-    partial = sum(room.lefts)
-    unallocated = room.whole * WHOLE_GPU_MILLI + partial
-    if not unallocated:
-        return 0.0
-    most = max(room.lefts, default=0)
-    expected = 0.0
-    for shape, weight in mix:
-        if (room.cpu_free is not None and room.cpu_free < shape.cpu_milli) or (
-            room.memory_free is not None and room.memory_free < shape.memory_mib
-        ):
-            lost = unallocated
-        elif shape.milli >= WHOLE_GPU_MILLI:
-            lost = unallocated if room.whole < shape.gpus else partial
-        elif not room.whole and most < shape.milli:
-            lost = unallocated
-        else:
-            lost = sum(left for left in room.lefts if left < shape.milli)
-        expected += weight * lost
-    return expected
+    models: tuple[str, ...] = ()
 
 
 WHOLE_GPU_POD = PodShape(1, WHOLE_GPU_MILLI, 0, 0)
-_RERANK = 64
+# The mix is ranked anew on each of the first _WARMUP observations, then every _RERANK:
+# a new mix makes the placement score start afresh on every node.
+_WARMUP = 64
+_RERANK = 1024
 
 
 class WorkloadMix:
@@ -409,40 +353,59 @@ class WorkloadMix:
     fragmentation score expects the next pods to be.
 
     Counts are halved every ``halve_every`` observations so the mix follows a changing
-    workload; only the ``top`` most frequent shapes are scored (a decision scores a few
-    candidates against each, so the list must stay short). It starts with one whole
+    workload; only the ``top`` most frequent shapes are scored (every node is scored
+    against each, so the list stays short). It starts with one whole
     1-GPU pod seen: until real requests outweigh it, a fraction keeps off a free GPU
     when a shared one holds it (without whole-GPU pods in the mix, a whole GPU left
     whole would be worth nothing).
     """
 
-    __slots__ = ("_counts", "_halve_every", "_seen", "_top", "_typical")
+    __slots__ = ("_counts", "_halve_every", "_kept", "_seen", "_top", "_typical")
 
-    def __init__(self, top: int = 12, halve_every: int = 4096) -> None:
+    def __init__(self, top: int = 16, halve_every: int = 4096) -> None:
         self._counts: dict[PodShape, float] = {WHOLE_GPU_POD: 1.0}
         self._top = top
         self._halve_every = halve_every
         self._seen = 0
         self._typical: tuple[tuple[PodShape, float], ...] | None = None
+        self._kept: tuple[tuple[PodShape, float], ...] = ()
 
     def observe(self, shape: PodShape) -> None:
         self._counts[shape] = self._counts.get(shape, 0.0) + 1.0
         self._seen += 1
         if self._seen % self._halve_every == 0:
             self._counts = {s: c / 2 for s, c in self._counts.items() if c >= 1.0}
-        # Ranking every shape on each request would cost a decision more than scoring
-        # does: the ranking is redone every _RERANK observations (each one at first).
-        if self._seen < _RERANK or self._seen % _RERANK == 0:
+        # A new ranking costs the next decisions a full scoring of every node: it is
+        # redone every _RERANK observations (each one at first).
+        if self._seen < _WARMUP or self._seen % _RERANK == 0:
             self._typical = None
 
     def typical(self) -> tuple[tuple[PodShape, float], ...]:
         """The most frequent shapes with their probabilities (summing to 1), most frequent
-        first."""
+        first. The same object while a new ranking would only move the probabilities a
+        little (under _DRIFT each): the placement score then keeps what it computed."""
         if self._typical is None:
             ranked = sorted(self._counts.items(), key=lambda item: -item[1])[: self._top]
             total = sum(count for _, count in ranked)
-            self._typical = tuple((shape, count / total) for shape, count in ranked)
+            typical = tuple((shape, count / total) for shape, count in ranked)
+            if not _alike(typical, self._kept):
+                self._kept = typical
+            self._typical = self._kept
         return self._typical
+
+
+# A new ranking whose probabilities all moved less than this (relative) keeps the old.
+_DRIFT = 0.1
+
+
+def _alike(
+    new: tuple[tuple[PodShape, float], ...], old: tuple[tuple[PodShape, float], ...]
+) -> bool:
+    before = dict(old)
+    return len(new) == len(before) and all(
+        shape in before and abs(weight - before[shape]) <= _DRIFT * before[shape]
+        for shape, weight in new
+    )
 
 
 # --- layout changes and time-of-day modes ------------------------------------------

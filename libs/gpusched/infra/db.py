@@ -130,6 +130,7 @@ class UnitOfWork:
         # NOTIFY: a round trip per transaction instead of one per event (plus one).
         self._outbox: list[dict[str, Any]] = []
         self._committed = False
+        self.emitted: list[Envelope] = []
         self._before_commit: list[Callable[[], Awaitable[None]]] = []
         self._on_commit: list[Callable[[], None]] = []
 
@@ -213,12 +214,14 @@ class UnitOfWork:
                 await self._conn.invalidate(exc)
 
     def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
-        """Run `write` at commit, before the outbox rows are written: for a store that
-        keeps writes of a batch together (one statement for many rows)."""
+        """Run ``write`` in this transaction when it commits, before the outbox rows: for
+        state held in memory whose rows are written once per transaction, whatever
+        statements changed it."""
         self._before_commit.append(write)
 
     async def commit(self) -> None:
-        for write in self._before_commit:
+        writes, self._before_commit = self._before_commit, []
+        for write in writes:
             await write()
         if self._outbox:
             await self._write_outbox()

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gpusched.contracts import errors, messages
-from gpusched.contracts.messages import ApiError, GpuRequest, SubmitJob
+from gpusched.contracts.messages import ApiError, GpuRequest, HostRequest, SubmitJob
 from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import JobKind, PriorityClass
 from gpusched.domain.quota import AboveMax, QuotaBook
@@ -51,6 +51,9 @@ class Request(Protocol):
 
     @property
     def gpus(self) -> GpuRequest: ...
+
+    @property
+    def host(self) -> HostRequest | None: ...
 
 
 def refuse(code: ErrorCode, message: str) -> ApiError:
@@ -141,13 +144,19 @@ class Catalog:
                 f"a fraction of a GPU (milli={gpus.milli}) is for one GPU: set gpus.count to 1 "
                 f"(not {gpus.count}), or ask whole GPUs (milli {WHOLE_GPU_MILLI})",
             )
-        if gpus.model is not None and gpus.model not in self.models:
+        # A spec of several models may name some this cluster lacks; not all of them.
+        unknown = [model for model in gpus.accepted if model not in self.models]
+        if unknown and len(unknown) == len(gpus.accepted):
             return refuse(
                 ErrorCode.UNKNOWN_GPU_MODEL,
-                f"GPU model {gpus.model!r} is not in the inventory "
+                f"GPU model(s) {', '.join(map(repr, unknown))} not in the inventory "
                 f"(known: {', '.join(sorted(self.models))})",
             )
         if (refusal := self._capability_refusal(job)) is not None:
+            return refusal
+        if gpus.count == 0:
+            return self._quota_refusal(job, priority, []) or self._host_refusal(kind, job)
+        if (refusal := self._host_refusal(kind, job)) is not None:
             return refusal
         groups = self._fitting(kind, job)
         if (refusal := self._quota_refusal(job, priority, groups)) is not None:
@@ -163,6 +172,29 @@ class Catalog:
                 ErrorCode.UNSATISFIABLE, f"asks {gpus.count} GPUs ({wanted}), but {reason}"
             )
         return None
+
+    def _host_refusal(self, kind: JobKind, job: SubmitJob) -> ApiError | None:
+        """A job whose host CPU or memory no node it may use could ever give."""
+        host = job.host
+        if host is None or not (host.cpu_milli or host.memory_mib):
+            return None
+        accepted = job.gpus.accepted
+        per_node = max(job.gpus.count, 1)
+        fits = [
+            node
+            for node in self._nodes.values()
+            if node.pool in _REACHABLE[kind]
+            and (not accepted or node.gpus[0].model in accepted)
+            and node.cpu_milli * per_node >= host.cpu_milli * min(per_node, len(node.gpus))
+            and node.memory_mib * per_node >= host.memory_mib * min(per_node, len(node.gpus))
+        ]
+        if fits:
+            return None
+        return refuse(
+            ErrorCode.UNSATISFIABLE,
+            f"asks {host.cpu_milli / 1000:g} CPU cores and {host.memory_mib} MiB of host memory"
+            f"{' per node' if per_node > 1 else ''}, more than any node it may use has",
+        )
 
     def _capability_refusal(self, job: SubmitJob) -> ApiError | None:
         """A `process` workload is a command the cluster agent runs for the team: only
@@ -227,6 +259,8 @@ class Catalog:
         """Part of one GPU, or None for whole GPUs: a fraction (milli < 1000), or a MIG
         slice for an inference job of one GPU asking less memory than a MIG GPU has."""
         gpus = job.gpus
+        if not gpus.count:
+            return None
         memory = None if gpus.memory_gib is None else math.ceil(gpus.memory_gib * _MIB_PER_GIB)
         if _fraction(job):
             return ShareAsk(gpus.milli, memory, self.overcommit)
@@ -248,25 +282,26 @@ class Catalog:
             model: memory
             for (pool, model), memory in self._mig.items()
             if pool is Pool.INFERENCE
-            and (gpus.model is None or model == gpus.model)
+            and (not gpus.accepted or model in gpus.accepted)
             and gpus.memory_gib * _MIB_PER_GIB < memory
             and smallest_profile(model, gpus.memory_gib) is not None
         }
 
-    def models_to_try(self, job: Request) -> tuple[str | None, ...]:
-        """Placement candidates by model: the asked one, else the smallest GPUs that fit."""
+    def models_to_try(self, job: Request) -> tuple[str, ...]:
+        """The GPU models a placement may use (empty: any): the accepted ones that hold
+        the job's GPU memory in the pools it may use. Which of them is the ledger's
+        choice (its placement score weighs each model's scarcity); a job without GPUs
+        names none."""
+        if not job.gpus.count:
+            return ()
         if mig := self._mig_models(job):
             # A MIG slice: the smallest MIG GPUs first, as for whole GPUs.
             return tuple(sorted(mig, key=lambda model: (mig[model], model)))
-        if job.gpus.model is not None:
-            return (job.gpus.model,)
+        accepted = job.gpus.accepted
         if job.gpus.memory_gib is None and self.quotas is None:
-            return (None,)
-        fitting = {
-            group.model: group.memory_mib for group in self._fitting(JobKind(job.kind.value), job)
-        }
-        # Smallest first: a job that fits a small GPU leaves the large ones to jobs that need them.
-        return tuple(sorted(fitting, key=lambda model: (fitting[model], model)))
+            return accepted
+        fitting = {group.model for group in self._fitting(JobKind(job.kind.value), job)}
+        return tuple(sorted(fitting))
 
     def host_share(
         self, gpus: Iterable[GpuRef], milli: int = WHOLE_GPU_MILLI
@@ -289,7 +324,7 @@ class Catalog:
             group
             for group in self._groups
             if group.pool in _REACHABLE[kind]
-            and (job.gpus.model is None or group.model == job.gpus.model)
+            and (not job.gpus.accepted or group.model in job.gpus.accepted)
             and (memory is None or group.memory_mib * factor >= memory * _MIB_PER_GIB)
         ]
 
@@ -306,7 +341,7 @@ def submission_warnings(job: SubmitJob) -> list[str]:
 
 
 def _describe(job: SubmitJob) -> str:
-    parts = [job.gpus.model or "any model"]
+    parts = ["|".join(job.gpus.accepted) or "any model"]
     if job.gpus.memory_gib is not None:
         parts.append(f">= {job.gpus.memory_gib:g} GiB each")
     return ", ".join(parts)

@@ -40,29 +40,46 @@ def find(
 
     ``count`` overrides the asked number (a long-waiting job offered fewer); ``held``
     nodes are reserved for another job and not used. Without ``now`` a MIG slice is
-    sought only in the layouts GPUs have (no layout change).
+    sought only in the layouts GPUs have (no layout change). The ledger chooses among
+    the models the job accepts; a model its team's quota refuses is left out and the
+    ledger asked again.
     """
     reasons: list[str] = []
-    count = count or job.gpus.count
+    count = job.gpus.count if count is None else count
     share = catalog.share_ask(job.ask, now)
-    for model in catalog.models_to_try(job.ask):
-        request = PlacementRequest(
-            job.job_id, job.kind, count, model, exclude_nodes=held, share=share
-        )
-        placement = ledger.place(request)
-        if placement is None:
-            reasons.append(_no_room(ledger, request) if share is None else _no_share(request))
-            continue
-        if catalog.quotas is None:
-            return Attempt(placement)
-        decision = catalog.quotas.decide(job.team, placement.model, count, usage)
-        if decision.allowed:
-            return Attempt(placement, borrowed=decision.borrowed)
-        reasons.append(
-            f"quota: team {job.team} holds {decision.used} {placement.model} GPUs; "
-            f"{count} more would pass its max of {decision.quota.max} "
-            f"(guaranteed {decision.quota.guaranteed}); it waits until the team frees some"
-        )
+    host = job.ask.host
+    cpu, memory = (0, 0) if host is None else (host.cpu_milli, host.memory_mib)
+    models = catalog.models_to_try(job.ask)
+    # A MIG slice goes by model, smallest MIG GPUs first; anything else asks once for
+    # every model it accepts.
+    asks = [(model,) for model in models] if share is not None and share.mig else [models]
+    for ask in asks:
+        accepted = list(ask)
+        while True:
+            request = PlacementRequest(
+                job.job_id, job.kind, count, exclude_nodes=held, share=share,
+                models=tuple(accepted), cpu_milli=cpu, memory_mib=memory,
+            )  # fmt: skip
+            placement = ledger.place(request)
+            if placement is None:
+                reasons.append(_no_room(ledger, request) if share is None else _no_share(request))
+                break
+            if catalog.quotas is None or not count:
+                return Attempt(placement)
+            decision = catalog.quotas.decide(job.team, placement.model, count, usage)
+            if decision.allowed:
+                return Attempt(placement, borrowed=decision.borrowed)
+            reasons.append(
+                f"quota: team {job.team} holds {decision.used} {placement.model} GPUs; "
+                f"{count} more would pass its max of {decision.quota.max} "
+                f"(guaranteed {decision.quota.guaranteed}); it waits until the team frees some"
+            )
+            if not accepted:
+                accepted = [m for m in catalog.models if m != placement.model]
+            else:
+                accepted.remove(placement.model)
+            if not accepted:
+                break
     if not reasons:
         reasons.append("no GPU model in the inventory fits the request")
     return Attempt(None, reasons=tuple(reasons))
@@ -71,7 +88,7 @@ def find(
 def _no_share(request: PlacementRequest) -> str:
     share = request.share
     assert share is not None
-    model = request.model or "any model"
+    model = "|".join(request.models) or "any model"
     pools = "/".join(request.pools)
     if share.mig:
         return (
@@ -87,11 +104,17 @@ def _no_share(request: PlacementRequest) -> str:
 
 
 def _no_room(ledger: Ledger, request: PlacementRequest) -> str:
-    model = request.model or "any model"
+    if not request.gpus:
+        return (
+            f"capacity: no node of the {'/'.join(request.pools)} pools has "
+            f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of host "
+            "memory left; it waits for running jobs to end"
+        )
+    model = "|".join(request.models) or "any model"
     free_by_node: dict[str, int] = {}
     for pool in request.pools or default_pools(request.kind):
         for ref in ledger.free_gpus(pool):
-            if request.model is None or ledger.gpu(ref).model == request.model:
+            if request.accepts(ledger.gpu(ref).model):
                 free_by_node[ref.node] = free_by_node.get(ref.node, 0) + 1
     total = sum(free_by_node.values())
     largest = max(free_by_node.values(), default=0)
@@ -115,11 +138,13 @@ def reservation_target(
     pools with the most free GPUs already (the shortest wait to complete the gang)."""
     best: tuple[int, str] | None = None
     wanted = set(catalog.models_to_try(job.ask))
+    if not job.gpus.count:
+        return None  # a job without GPUs waits for host room, not for a gang's GPUs
     for pool in default_pools(job.kind):
         counts: dict[str, int] = {}
         for ref in ledger.free_gpus(pool):
             model = ledger.gpu(ref).model
-            if ref.node not in held and (None in wanted or model in wanted):
+            if ref.node not in held and (not wanted or model in wanted):
                 counts[ref.node] = counts.get(ref.node, 0) + 1
         for node, free in counts.items():
             if best is None or (free, node) > (best[0], best[1]):

@@ -165,6 +165,8 @@ class JobsApi:
                 gpus=spec.gpus,
                 allocation_id=job.allocation_id,
                 allocated=allocated,
+                host=spec.host,
+                node=None if held is None else held.allocation.node,
                 resume_from=job.resume_from,
                 # The checkpoint catalogue lives in the checkpoint service; admission knows
                 # the one an eviction left and the newest the job confirmed.

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from gpusched.contracts import messages
-from gpusched.contracts.messages import GpuRequest, PriorityClassName, Replicas, SubmitJob
+from gpusched.contracts.messages import (
+    GpuRequest,
+    HostRequest,
+    PriorityClassName,
+    Replicas,
+    SubmitJob,
+)
 from gpusched.domain.ledger import PriorityClass
 
 if TYPE_CHECKING:
@@ -77,7 +83,8 @@ class EvictionOutcome(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """What scheduling reads of a job's request: team, kind, class, GPUs and replicas.
+    """What scheduling reads of a job's request: team, kind, class, GPUs, replicas and
+    host CPU and memory.
 
     Jobs that ask the same share one (``ask_of``): a deep queue holds one per distinct
     request, not a parsed request per job (see store.JobRecord for why that matters)."""
@@ -87,18 +94,28 @@ class Ask:
     priority_class: PriorityClassName
     gpus: GpuRequest
     replicas: Replicas | None
+    host: HostRequest | None = None
 
 
 def ask_of(spec: SubmitJob) -> Ask:
     """The shared ``Ask`` of a validated request."""
-    gpus, replicas = spec.gpus, spec.replicas
+    gpus, replicas, host = spec.gpus, spec.replicas, spec.host
     return shared_ask(
         spec.team,
         spec.kind.value,
         spec.priority_class.value,
-        (gpus.count, gpus.model, gpus.memory_gib, gpus.milli, gpus.min_count),
+        (
+            gpus.count, gpus.model, models_text(gpus.models), gpus.memory_gib, gpus.milli,
+            gpus.min_count,
+        ),
         None if replicas is None else (replicas.min, replicas.max),
-    )
+        None if host is None else (host.cpu_milli, host.memory_mib),
+    )  # fmt: skip
+
+
+def models_text(models: Sequence[str] | None) -> str | None:
+    """Several accepted models as one string (``a|b``), as a queued job's row keeps them."""
+    return None if models is None else "|".join(models)
 
 
 # Bounded: a stream of ever new requests (say, distinct memory sizes) only stops being
@@ -108,21 +125,25 @@ def shared_ask(
     team: str,
     kind: str,
     priority_class: str,
-    gpus: tuple[int, str | None, float | None, int | None, int | None],
+    gpus: tuple[int, str | None, str | None, float | None, int | None, int | None],
     replicas: tuple[int, int] | None,
+    host: tuple[int, int] | None = None,
 ) -> Ask:
     """The one ``Ask`` of these values (``kind`` and ``priority_class`` as their names;
-    ``gpus``: count, model, memory, milli, min count; ``replicas``: min, max)."""
-    count, model, memory_gib, milli, min_count = gpus
+    ``gpus``: count, model, models as ``models_text``, memory, milli, min count;
+    ``replicas``: min, max; ``host``: CPU milli, memory MiB)."""
+    count, model, models, memory_gib, milli, min_count = gpus
     return Ask(
         team,
         messages.JobKind(kind),
         PriorityClassName(priority_class),
         GpuRequest(
-            count=count, model=model, memory_gib=memory_gib, milli=milli, min_count=min_count
+            count=count, model=model, models=None if models is None else models.split("|"),
+            memory_gib=memory_gib, milli=milli, min_count=min_count,
         ),
         None if replicas is None else Replicas(min=replicas[0], max=replicas[1]),
-    )
+        None if host is None else HostRequest(cpu_milli=host[0], memory_mib=host[1]),
+    )  # fmt: skip
 
 
 Usage = dict[tuple[str, str], int]
@@ -132,5 +153,8 @@ Shape = tuple[object, ...]
 
 def shape_of(job: JobRecord) -> Shape:
     ask = job.ask
-    gpus = ask.gpus
-    return (ask.kind, gpus.count, gpus.model, gpus.memory_gib, gpus.milli)
+    gpus, host = ask.gpus, ask.host
+    return (
+        ask.kind, gpus.count, gpus.accepted, gpus.memory_gib, gpus.milli,
+        None if host is None else (host.cpu_milli, host.memory_mib),
+    )  # fmt: skip

@@ -416,15 +416,12 @@ class Scheduler:
         """What the plan decided, in a few statements whatever its size."""
         interval = self._catalog.mig_change_interval
         for relayout in outcome.relayouts:
-            await self._keeper.save(uow, [relayout.changed.gpu])
             await uow.emit_many(
                 mig.layout_outgoing(uow, relayout.changed, relayout.reason, interval)
             )
         for reserving in outcome.reserving:
             await store.insert_reservation(uow, reserving.reservation)
             await self._audit_reservation(uow, reserving)
-        if outcome.touched:
-            await self._keeper.save(uow, outcome.touched)
         for job_id, number in outcome.replica_seqs.items():
             await store.set_replica_seq(uow, job_id, number)
         grants = outcome.grants
@@ -432,7 +429,6 @@ class Scheduler:
             await store.insert_allocations(
                 uow, [(grant.granted.allocation, grant.attempt) for grant in grants]
             )
-            await self._keeper.save(uow, [ref for grant in grants for ref in grant.granted.gpus])
             await store.jobs_started(
                 uow,
                 [
@@ -495,7 +491,7 @@ class Scheduler:
                 "job.placed",
                 entity=job.job_id,
                 reason=(
-                    f"{len(granted.gpus)} x {granted.model} free in the {granted.pool} pool"
+                    wire.placed_words(granted)
                     + (" (across nodes)" if spans else "")
                     + (" (borrowed beyond the team's guaranteed quota)" if borrowed else "")
                     + mig.share_words(granted.share)
@@ -567,7 +563,7 @@ class Scheduler:
             "job.waiting",
             entity=job.job_id,
             reason=(
-                f"needs {job.gpus.count} x {job.gpus.model or 'any model'} in one "
+                f"needs {job.gpus.count} x {'|'.join(job.gpus.accepted) or 'any model'} in one "
                 f"gang; free now: " + ", ".join(f"{pool} {count}" for pool, count in pools.items())
             ),
             details={

@@ -24,7 +24,7 @@ from gpusched.domain.ledger import (
 from gpusched.domain.sharing import GpuShare
 from gpusched.infra.db import UnitOfWork
 
-from .queue import Ask, EvictionOutcome, JobState, ask_of, shared_ask
+from .queue import Ask, EvictionOutcome, JobState, ask_of, models_text, shared_ask
 from .reservations import Reservation
 
 
@@ -88,13 +88,16 @@ class JobRecord:
         holds its jobs so (see index.QueueIndex): the collector stops tracking a tuple
         that holds only strings, numbers, times and None, but not one holding another
         tuple or a dict it has not got round to, hence the lists as JSON text."""
-        ask, gpus = self.ask, self.ask.gpus
+        ask, gpus, host = self.ask, self.ask.gpus, self.ask.host
         replicas = ask.replicas
         return (
             self.submitted_at, self.job_id, ask.team, ask.priority_class.value,
-            ask.kind.value, gpus.count, gpus.model, gpus.memory_gib, gpus.milli,
-            gpus.min_count, None if replicas is None else replicas.min,
-            None if replicas is None else replicas.max, self.spec_json, self.state.value,
+            ask.kind.value, gpus.count, gpus.model, models_text(gpus.models),
+            gpus.memory_gib, gpus.milli, gpus.min_count,
+            None if replicas is None else replicas.min,
+            None if replicas is None else replicas.max,
+            None if host is None else host.cpu_milli, None if host is None else host.memory_mib,
+            self.spec_json, self.state.value,
             self.attempt, self.allocation_id, _json_or_none(self.resume_from),
             _dumps(self.warnings), self.wait_audited, _dumps(self.trace),
             _json_or_none(self.latest_checkpoint), self.latest_checkpoint_at,
@@ -110,8 +113,9 @@ class JobRecord:
     @classmethod
     def from_row(cls, row: JobRow) -> JobRecord:
         (
-            submitted_at, job_id, team, priority_class, kind, count, model, memory_gib, milli,
-            min_count, replicas_min, replicas_max, spec_json, state, attempt, allocation_id,
+            submitted_at, job_id, team, priority_class, kind, count, model, models, memory_gib,
+            milli, min_count, replicas_min, replicas_max, host_cpu, host_memory, spec_json,
+            state, attempt, allocation_id,
             resume_from, warnings, wait_audited, trace, latest_checkpoint,
             latest_checkpoint_at, replica_target, replica_seq, replica_failures,
             replica_restart_at, parked_reason, cancel_reason,
@@ -119,8 +123,9 @@ class JobRecord:
         # Made for every queued job a full pass looks at: plain look-ups, no parsing
         # where a value is empty.
         ask = shared_ask(
-            team, kind, priority_class, (count, model, memory_gib, milli, min_count),
+            team, kind, priority_class, (count, model, models, memory_gib, milli, min_count),
             None if replicas_min is None else (replicas_min, replicas_max),
+            None if host_cpu is None else (host_cpu, host_memory),
         )  # fmt: skip
         return cls(
             job_id, ask, spec_json, _STATES[state], attempt, allocation_id,
@@ -168,7 +173,7 @@ class JobRecord:
 
 # What JobRecord.as_row gives: submission time, job id, team, priority class, then the rest.
 JobRow = tuple[Any, ...]
-_ROW_WAIT_AUDITED = 18
+_ROW_WAIT_AUDITED = 21
 _STATES = {state.value: state for state in JobState}
 
 
@@ -892,8 +897,11 @@ def _allocation(row: Any) -> Allocation:
         granted_at=row.granted_at,
         model=row.model,
         pool=Pool(row.pool),
+        cpu_per_gpu=row.cpu_per_gpu,
+        memory_per_gpu=row.memory_per_gpu,
         borrowed=row.borrowed,
         share=None if row.share is None else GpuShare(**row.share),
+        node=row.node,
     )
 
 
@@ -909,9 +917,11 @@ async def insert_allocations(
     await _execute_many(
         uow,
         f"INSERT INTO {_t(uow, 'allocations')} (allocation_id, job_id, team, kind, "
-        "priority_class, model, pool, gpus, attempt, granted_at, borrowed, share) VALUES "
+        "priority_class, model, pool, gpus, attempt, granted_at, borrowed, share, "
+        "cpu_per_gpu, memory_per_gpu, node) VALUES "
         "(:allocation_id, :job_id, :team, :kind, :priority_class, :model, :pool, "
-        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed, CAST(:share AS jsonb))",
+        "CAST(:gpus AS jsonb), :attempt, :granted_at, :borrowed, CAST(:share AS jsonb), "
+        ":cpu_per_gpu, :memory_per_gpu, :node)",
         [
             {
                 "allocation_id": allocation.allocation_id,
@@ -926,6 +936,9 @@ async def insert_allocations(
                 "granted_at": allocation.granted_at,
                 "borrowed": allocation.borrowed,
                 "share": _share(allocation),
+                "cpu_per_gpu": allocation.cpu_per_gpu,
+                "memory_per_gpu": allocation.memory_per_gpu,
+                "node": allocation.node,
             }
             for allocation, attempt in allocations
         ],

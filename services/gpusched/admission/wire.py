@@ -12,6 +12,8 @@ from gpusched.domain.inventory import GpuRef, Inventory, NodeSpec
 from .credentials import Issued
 from .store import JobRecord
 
+_QUANTUM = Decimal("0.001")
+
 
 def share(granted: d.AllocationGranted | d.Allocation) -> m.GpuShare | None:
     held = granted.share
@@ -33,8 +35,14 @@ def allocation_granted(
     ledger: d.Ledger,
     host_share: tuple[Decimal, Decimal],
 ) -> m.AllocationGranted:
+    """``host_share``: the CPU cores and memory GB that come with its GPUs, billed when
+    the job stated no host CPU and memory of its own (else what it holds is billed)."""
     cpu_cores, memory_gb = host_share
     spec = job.spec
+    held = granted.allocation.host_held().values()
+    if held and any(cpu or memory for cpu, memory in held):
+        cpu_cores = (Decimal(sum(cpu for cpu, _ in held)) / 1000).quantize(_QUANTUM)
+        memory_gb = (Decimal(sum(memory for _, memory in held)) / 1024).quantize(_QUANTUM)
     return m.AllocationGranted(
         allocation_id=granted.allocation_id,
         job_id=granted.job_id,
@@ -52,7 +60,15 @@ def allocation_granted(
         memory_gb=memory_gb,
         borrowed=granted.borrowed,
         share=share(granted),
+        node=granted.node,
     )
+
+
+def placed_words(granted: d.AllocationGranted) -> str:
+    """What a grant holds, for the audit record of its placement."""
+    if granted.node is not None:
+        return f"host CPU and memory on node {granted.node} in the {granted.pool} pool (no GPU)"
+    return f"{len(granted.gpus)} x {granted.model} free in the {granted.pool} pool"
 
 
 def start_workload(
@@ -70,6 +86,7 @@ def start_workload(
         workload=job.spec.workload,
         resume_from=job.resume_from,
         share=share(granted),
+        node=granted.node,
         credentials=None if credentials is None else credentials.creds,
         credentials_expire_at=None if credentials is None else credentials.expire_at,
     )

@@ -178,7 +178,7 @@ class ClusterAgent:
             failed = WorkloadExit(StopReason.FAILED, error=str(exc))
             await self._report_stop(start, failed, saga_id=None, causation_id=envelope.id)
             return
-        node = start.gpus[0].node if start.gpus else ""
+        node = start.gpus[0].node if start.gpus else (start.node or "")
         started = self._publisher.envelope(
             T.WORKLOAD_STARTED,
             WorkloadStarted(
@@ -478,7 +478,8 @@ class ClusterAgent:
         lost = [
             entry
             for entry in self._running.values()
-            if entry.phase is Phase.RUNNING and any(g.node == node for g in entry.start.gpus)
+            if entry.phase is Phase.RUNNING
+            and (entry.start.node == node or any(g.node == node for g in entry.start.gpus))
         ]
         for entry in lost:
             entry.phase = Phase.STOPPING
