@@ -496,6 +496,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.events: list[LedgerEvent] = []
         self.now = T0
         self.next_id = 0
+        # A store that writes only the GPUs the ledger names as changed (as admission's).
+        self.stored = {slot.ref: slot for slot in self.ledger.gpus}
 
     def tick(self) -> datetime:
         self.now += timedelta(minutes=1)
@@ -612,6 +614,12 @@ class LedgerMachine(RuleBasedStateMachine):
             if allocation.kind is JobKind.TRAINING:
                 pools = {self.ledger.gpu(ref).pool for ref in allocation.gpus}
                 assert Pool.INFERENCE not in pools
+
+    @invariant()
+    def a_store_writing_only_what_changed_stays_equal_to_the_ledger(self) -> None:
+        for ref in self.ledger.take_changed():
+            self.stored[ref] = self.ledger.gpu(ref)
+        assert self.stored == {slot.ref: slot for slot in self.ledger.gpus}
 
     @invariant()
     def replaying_the_events_rebuilds_the_same_ledger(self) -> None:

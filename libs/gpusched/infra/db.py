@@ -12,7 +12,7 @@ import functools
 import json
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -131,6 +131,7 @@ class UnitOfWork:
         self._outbox: list[dict[str, Any]] = []
         self._committed = False
         self.emitted: list[Envelope] = []
+        self._before_commit: list[Callable[[], Awaitable[None]]] = []
 
     async def __aenter__(self) -> Self:
         self._conn = await self._engine.connect()
@@ -209,7 +210,16 @@ class UnitOfWork:
             with contextlib.suppress(Exception):
                 await self._conn.invalidate(exc)
 
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` in this transaction when it commits, before the outbox rows: for
+        state held in memory whose rows are written once per transaction, whatever
+        statements changed it."""
+        self._before_commit.append(write)
+
     async def commit(self) -> None:
+        writes, self._before_commit = self._before_commit, []
+        for write in writes:
+            await write()
         if self._outbox:
             await self._write_outbox()
         await self.conn.commit()

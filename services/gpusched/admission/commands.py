@@ -64,7 +64,6 @@ class LedgerCommands:
             if chosen
             else d.GpusReserved(command.reservation_id, ())
         )
-        await self._keeper.save(uow, reserved.gpus)
         # Always answered, even when nothing could be reserved, so preemption learns the
         # outcome of its decision and can act on the shortfall.
         await uow.emit(
@@ -113,7 +112,6 @@ class LedgerCommands:
             return
         chosen = lending.lent_to_return(ledger, command.reservation_id, command.gpus)
         returned = ledger.return_to_shared(gpus=chosen) if chosen else d.GpusReturned((), (), ())
-        await self._keeper.save(uow, returned.gpus)
         await uow.emit(
             uow.subjects.event(uow.source, T.GPUS_RETURNED),
             T.GPUS_RETURNED,

@@ -12,11 +12,15 @@ Concurrency (one writer at a time, any number of replicas):
   as is; if the transaction rolled back, or another replica wrote meanwhile, the
   versions differ and the next holder rebuilds the ledger from the tables. So the
   memory is never trusted beyond what was committed, without a hook on commit.
+
+Writing: the holder only changes the ledger. What the ledger's events changed since
+``hold`` (``Ledger.take_changed``) is written in the same transaction just before it
+commits, so no change can be left out of the rows, whatever the handler did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from gpusched.contracts.messages import GpusReturned, T
 from gpusched.domain.inventory import GpuRef, Inventory
@@ -32,6 +36,8 @@ class LedgerKeeper:
         self._inventory: Inventory | None = None
         self._version = -1  # matches no stored version, so the first holder loads
         self.rebuilds = 0
+        # The transaction whose commit writes the ledger's changes (one per holder).
+        self._writing: UnitOfWork | None = None
 
     @property
     def version(self) -> int:
@@ -53,15 +59,25 @@ class LedgerKeeper:
         ledger = await self._sync(uow)
         self._version += 1
         await store.set_ledger_version(uow, self._version)
+        if self._writing is not uow:
+            # Changes an earlier holder made were written by its commit, or rolled back
+            # with it (then the version differs and _sync rebuilt from the tables).
+            ledger.take_changed()
+            self._writing = uow
+            uow.before_commit(lambda: self._write_changes(uow))
         return ledger
 
     async def read(self, uow: UnitOfWork) -> Ledger:
         """The current ledger, locked for this transaction, which must not change it."""
         return await self._sync(uow)
 
-    async def save(self, uow: UnitOfWork, gpus: Iterable[GpuRef]) -> None:
-        """Write the slots of ``gpus`` as the held ledger has them now."""
+    async def _write_changes(self, uow: UnitOfWork) -> None:
+        """Write the slots the held ledger's events changed, as it has them now."""
+        self._writing = None
         ledger = self._require()
+        gpus = ledger.take_changed()
+        if not gpus:
+            return
         await store.save_gpus(
             uow,
             [
@@ -90,8 +106,7 @@ class LedgerKeeper:
         by_reservation: dict[str, list[GpuRef]] = {}
         for ref in gpus:
             by_reservation.setdefault(str(ledger.gpu(ref).reserved_for), []).append(ref)
-        returned = ledger.return_to_shared(gpus=gpus)
-        await self.save(uow, returned.gpus)
+        ledger.return_to_shared(gpus=gpus)
         for reservation_id, refs in sorted(by_reservation.items()):
             await uow.emit(
                 uow.subjects.event(uow.source, T.GPUS_RETURNED),

@@ -231,7 +231,6 @@ class MigModes:
             if (ref, layout) not in due_changes(ledger, mode, now, self._interval):
                 return 0  # another replica changed it meanwhile
             event = ledger.change_layout(ref, layout, now, self._interval)
-            await self._keeper.save(uow, [ref])
             await uow.emit_many(layout_outgoing(uow, event, f"{mode} mode", self._interval))
             await uow.commit()
         return 1
@@ -284,7 +283,6 @@ class MigDeadlines:
             if ref not in overdue(ledger, now, self._timeout):
                 return 0  # reported meanwhile
             await fail_change(uow, ledger, ref, FailCause.TIMEOUT, error)
-            await self._keeper.save(uow, [ref])
             await uow.commit()
         return 1
 

@@ -300,7 +300,6 @@ class NodeOps:
             await store.release_allocation(
                 uow, allocation.allocation_id, released.released_at, NODE_FAILED
             )
-            await self._keeper.save(uow, released.gpus)
             await uow.emit(
                 uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
                 T.ALLOCATION_RELEASED,

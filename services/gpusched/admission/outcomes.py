@@ -80,7 +80,6 @@ class Outcomes:
                 causation_id=envelope.id,
             )
             return
-        await self._keeper.save(uow, [ref])
         await uow.audit(
             "mig.layout_applied",
             entity=str(ref),
@@ -119,7 +118,6 @@ class Outcomes:
         await mig.fail_change(
             uow, ledger, ref, mig.FailCause.REPORTED, report.error, causation_id=envelope.id
         )
-        await self._keeper.save(uow, [ref])
         self._kick()  # the jobs that waited for those slices
 
     async def on_workload_started(self, envelope: Envelope, uow: UnitOfWork) -> None:
@@ -189,7 +187,6 @@ class Outcomes:
         released_at = max(min(stopped.stopped_at, now), granted_at)
         released = ledger.release(stopped.allocation_id, released_at)
         await store.release_allocation(uow, released.allocation_id, released_at, stopped.reason)
-        await self._keeper.save(uow, released.gpus)
         await uow.emit(
             uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
             T.ALLOCATION_RELEASED,

@@ -25,7 +25,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from gpusched.domain.inventory import GpuRef
 from gpusched.domain.ledger import (
     AllocationGranted,
     LayoutChanged,
@@ -90,9 +89,8 @@ class Plan:
     placed_reserved: list[tuple[Reservation, JobRecord]] = field(default_factory=list)
     # Jobs no pass had audited as waiting yet, with why they wait.
     waiting: list[tuple[JobRecord, Attempt]] = field(default_factory=list)
-    # Services whose replica counter moved, and GPUs an undone replica gang touched.
+    # Services whose replica counter moved.
     replica_seqs: dict[str, int] = field(default_factory=dict)
-    touched: list[GpuRef] = field(default_factory=list)
     # When a pass must run even if nothing changes (None: no such time): the earliest a
     # waiting job crosses reserve_after or starve_after, and the earliest a service's
     # restart back-off ends.
@@ -391,8 +389,8 @@ class _Planner:
 
         placed, undone = replicas.place_replicas(at_least, wanted, place_one, undo)
         if undone:
-            # A MIG layout changed for an undone replica stays changed: it is stored.
-            self.out.touched.extend(ref for one in undone for ref in one.granted.gpus)
+            # A MIG layout changed for an undone replica stays changed: it is stored
+            # with every other GPU the ledger's events changed.
             last = Attempt(
                 None,
                 reasons=(

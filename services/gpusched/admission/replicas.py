@@ -333,7 +333,6 @@ class ReplicaOps:
         allocation = ledger.allocation(allocation_id)
         released = ledger.release(allocation_id, max(now, allocation.granted_at))
         await store.release_allocation(uow, allocation_id, released.released_at, SCALED_DOWN)
-        await self._keeper.save(uow, released.gpus)
         await uow.emit(
             uow.subjects.event(uow.source, T.ALLOCATION_RELEASED),
             T.ALLOCATION_RELEASED,

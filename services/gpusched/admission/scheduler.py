@@ -362,15 +362,12 @@ class Scheduler:
         """What the plan decided, in a few statements whatever its size."""
         interval = self._catalog.mig_change_interval
         for relayout in outcome.relayouts:
-            await self._keeper.save(uow, [relayout.changed.gpu])
             await uow.emit_many(
                 mig.layout_outgoing(uow, relayout.changed, relayout.reason, interval)
             )
         for reserving in outcome.reserving:
             await store.insert_reservation(uow, reserving.reservation)
             await self._audit_reservation(uow, reserving)
-        if outcome.touched:
-            await self._keeper.save(uow, outcome.touched)
         for job_id, number in outcome.replica_seqs.items():
             await store.set_replica_seq(uow, job_id, number)
         grants = outcome.grants
@@ -378,7 +375,6 @@ class Scheduler:
             await store.insert_allocations(
                 uow, [(grant.granted.allocation, grant.attempt) for grant in grants]
             )
-            await self._keeper.save(uow, [ref for grant in grants for ref in grant.granted.gpus])
             await store.jobs_started(
                 uow,
                 [
