@@ -22,6 +22,7 @@ from .metrics import RunResult
 __all__ = [
     "GOALS",
     "TABLE",
+    "figure",
     "goals",
     "markdown_table",
     "summary",
@@ -42,7 +43,8 @@ GOALS = {
 }
 
 
-def _get(result: RunResult, *path: str) -> float:
+def figure(result: RunResult, *path: str) -> float:
+    """One number of a run's summary, by its path (``"training", "lost_gpu_h"``)."""
     value: Any = result.summary
     for key in path:
         value = value[key]
@@ -60,22 +62,22 @@ def goals(results: Sequence[RunResult], primary: str = PRIMARY) -> dict[str, dic
     ours, static, k8s = runs.get(primary), runs.get(STATIC), runs.get(KUBERNETES)
     if ours is None:
         return out
-    slo = _get(ours, "inference", "slo_time_share")
+    slo = figure(ours, "inference", "slo_time_share")
     if static is not None:
-        static_slo = _get(static, "inference", "slo_time_share")
+        static_slo = figure(static, "inference", "slo_time_share")
         out["slo"] = {
             "value": slo,
             "baseline": static_slo,
             "met": slo >= 0.999 and slo >= static_slo,
         }
         good, base = (
-            _get(ours, "training", "goodput_gpu_h"),
-            _get(static, "training", "goodput_gpu_h"),
+            figure(ours, "training", "goodput_gpu_h"),
+            figure(static, "training", "goodput_gpu_h"),
         )
         ratio = good / base if base else math.nan
         out["goodput"] = {"value": good, "baseline": base, "ratio": ratio, "met": ratio >= 1.3}
-        wait = _get(ours, "training", "queuing", "mean_h")
-        base_wait = _get(static, "training", "queuing", "mean_h")
+        wait = figure(ours, "training", "queuing", "mean_h")
+        base_wait = figure(static, "training", "queuing", "mean_h")
         better = base_wait / wait if wait else math.inf
         out["queuing"] = {
             "value": wait,
@@ -84,9 +86,12 @@ def goals(results: Sequence[RunResult], primary: str = PRIMARY) -> dict[str, dic
             "met": better >= 1.5,
         }
     if k8s is not None:
-        lost, base_lost = _get(ours, "training", "lost_gpu_h"), _get(k8s, "training", "lost_gpu_h")
+        lost, base_lost = (
+            figure(ours, "training", "lost_gpu_h"),
+            figure(k8s, "training", "lost_gpu_h"),
+        )
         lower = 1 - lost / base_lost if base_lost else math.nan
-        k8s_slo = _get(k8s, "inference", "slo_time_share")
+        k8s_slo = figure(k8s, "inference", "slo_time_share")
         out["lost_work"] = {
             "value": lost,
             "baseline": base_lost,
@@ -198,9 +203,9 @@ def markdown_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def _png(figure: Any) -> str:
+def _png(fig: Any) -> str:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -215,17 +220,17 @@ def plots(results: Sequence[RunResult]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
 
     def each(title: str, series: str, ylabel: str, among: Sequence[RunResult]) -> None:
-        figure, axes = plt.subplots(figsize=(11, 3.2))
+        fig, axes = plt.subplots(figsize=(11, 3.2))
         for result in among:
             axes.plot(result.series["t_h"], result.series[series], label=result.policy, lw=1)
         axes.set_xlabel("hours")
         axes.set_ylabel(ylabel)
         axes.set_title(title)
         axes.legend(loc="upper left", fontsize="small")
-        out.append((title, _png(figure)))
-        plt.close(figure)
+        out.append((title, _png(fig)))
+        plt.close(fig)
 
-    figure, axes = plt.subplots(figsize=(11, 3.6))
+    fig, axes = plt.subplots(figsize=(11, 3.6))
     first = shown[0]
     axes.plot(first.series["t_h"], first.series["demand"], color="black", lw=1, label="demand")
     axes.plot(
@@ -247,8 +252,8 @@ def plots(results: Sequence[RunResult]) -> list[tuple[str, str]]:
     axes.set_ylabel("GPUs")
     axes.set_title("Inference: demand and serving GPUs (pool sizes and lending)")
     axes.legend(loc="upper left", fontsize="small")
-    out.append(("Inference: demand and serving GPUs", _png(figure)))
-    plt.close(figure)
+    out.append(("Inference: demand and serving GPUs", _png(fig)))
+    plt.close(fig)
     each("GPUs lent to inference", "lent", "GPUs", shown)
     each("Training queue length", "queued", "jobs", results)
     each("Training GPU-hours lost to preemption (cumulative)", "lost_gpu_h", "GPU-hours", results)
@@ -261,7 +266,7 @@ def plots(results: Sequence[RunResult]) -> list[tuple[str, str]]:
     )
 
     names = [r.policy for r in results]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (label, path) in zip(
         axes,
         (
@@ -271,12 +276,12 @@ def plots(results: Sequence[RunResult]) -> list[tuple[str, str]]:
         ),
         strict=True,
     ):
-        ax.barh(names, [_get(r, *path) for r in results])
+        ax.barh(names, [figure(r, *path) for r in results])
         ax.set_title(label)
         ax.tick_params(axis="y", labelsize=7)
-    figure.tight_layout()
-    out.append(("Policy comparison", _png(figure)))
-    plt.close(figure)
+    fig.tight_layout()
+    out.append(("Policy comparison", _png(fig)))
+    plt.close(fig)
     return out
 
 
@@ -332,6 +337,13 @@ work since the newest checkpoint when a job was evicted.</p>
 <h2 id="parameters">Parameters</h2>
 <pre>{params}</pre>
 <pre>{policies}</pre>
+<script>
+// Lets a headless browser tell that every plot decoded (body data-images-loaded).
+window.addEventListener("load", () => {{
+  const shown = Array.from(document.images).filter((img) => img.naturalWidth > 0);
+  document.body.dataset.imagesLoaded = String(shown.length);
+}});
+</script>
 </body></html>
 """
     path.write_text(page, encoding="utf-8")
