@@ -94,6 +94,17 @@ class DemandCurve:
             values.append(max(0.0, level))
         self.values: tuple[float, ...] = tuple(values)
 
+    @classmethod
+    def of(cls, values: Sequence[float], step_s: float) -> DemandCurve:
+        """A curve given step by step (a measured history, a test's phases)."""
+        if not values or any(not (math.isfinite(v) and v >= 0) for v in values):
+            raise ValueError("a demand curve needs finite values >= 0")
+        curve = cls.__new__(cls)
+        curve.params = DemandParams(peak_gpus=max(values), surges_per_day=0, noise=0, step_s=step_s)
+        curve.surges = ()
+        curve.values = tuple(values)
+        return curve
+
     @property
     def step_s(self) -> float:
         return self.params.step_s

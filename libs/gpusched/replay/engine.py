@@ -376,6 +376,8 @@ class _Engine:
             job.record, state=JobState.RUNNING, attempt=job.attempt, allocation_id=allocation_id
         )
         self.by_allocation[allocation_id] = job_id
+        gpus = self.ledger.allocation(allocation_id).gpus
+        self.rec.decided(self.now, "placed", job_id, ",".join(map(str, gpus)))
         left = job.spec.work_s - job.base
         self._at(self.now + left, Ev.FINISH, (job_id, job.attempt))
 
@@ -618,6 +620,7 @@ class _Engine:
             now,
         )
         self.recent.append(now)
+        self.rec.decided(self.now, "victim", victim.job_id, str(victim.priority_class))
         job = self.jobs[victim.job_id]
         latest = None if job.checkpoint_at is None else self._time(job.checkpoint_at)
         periodic, _ = job.resume_point(self.now, self.periodic_s)
@@ -678,6 +681,7 @@ class _Engine:
                     self._aborted(saga)
         if saga.is_terminal:
             self.rec.saga_ended(saga.outcome)
+            self.rec.decided(self.now, "saga", saga.job_id, str(saga.outcome))
             if self.saga_of.get(saga.allocation_id) == saga.request_id:
                 del self.saga_of[saga.allocation_id]
 
@@ -797,6 +801,7 @@ class _Engine:
                 self.ledger_version += 1
                 self.rec.pool_change("expand", len(chosen.gpus))
             for allocation_id in victims:
+                self.rec.decided(self.now, "victim", self.by_allocation[allocation_id], "")
                 self.dying.add(allocation_id)
                 self.rec.saga_opened()
                 self._at(self.now + k.grace_s, Ev.KILL, allocation_id)

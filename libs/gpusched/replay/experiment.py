@@ -98,7 +98,10 @@ class Prepared:
 class Comparison:
     prepared: Prepared
     results: list[RunResult]
+    # Wall-clock seconds of each policy's replay, and the CPU seconds this process spent
+    # on it (on a shared machine the wall clock also counts others' work).
     seconds: dict[str, float]
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def prepare(experiment: Experiment) -> Prepared:
@@ -216,9 +219,10 @@ def run(prepared: Prepared, progress: Callable[[str, float], None] | None = None
 
     results: list[RunResult] = []
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for policy in prepared.policies:
         inventory = pools.split(prepared.inventory, policy.inference_gpus)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         tell = None if progress is None else _teller(progress, policy.name)
         results.append(
             replay(
@@ -233,7 +237,8 @@ def run(prepared: Prepared, progress: Callable[[str, float], None] | None = None
             )
         )
         seconds[policy.name] = time.perf_counter() - started
-    return Comparison(prepared, results, seconds)
+        cpu[policy.name] = time.process_time() - cpu_started
+    return Comparison(prepared, results, seconds, cpu)
 
 
 def _teller(progress: Callable[[str, float], None], name: str) -> Callable[[float], None]:

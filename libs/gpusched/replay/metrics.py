@@ -69,6 +69,9 @@ class RunResult:
     series: dict[str, list[float]]
     usages: list[Usage] = field(default_factory=list, repr=False)
     credits: list[Credit] = field(default_factory=list, repr=False)
+    # The decisions, in order: (seconds, what, job id, detail): "placed" with its GPUs,
+    # "victim" with its class, "saga" with its outcome.
+    decisions: list[tuple[float, str, str, str]] = field(default_factory=list, repr=False)
 
 
 class Recorder:
@@ -103,6 +106,7 @@ class Recorder:
         self.series: dict[str, list[float]] = {name: [] for name in SERIES}
         self.usages: list[Usage] = []
         self.credits: list[Credit] = []
+        self.decisions: list[tuple[float, str, str, str]] = []
 
     # --- training -------------------------------------------------------------------------
 
@@ -157,6 +161,9 @@ class Recorder:
                 at=EPOCH,
             )
         )
+
+    def decided(self, t: float, what: str, job_id: str, detail: str) -> None:
+        self.decisions.append((t, what, job_id, detail))
 
     def saga_opened(self) -> None:
         self.sagas += 1
@@ -258,7 +265,9 @@ class Recorder:
             },
             "cost": self._price(book, horizon_s),
         }
-        return RunResult(self.policy, summary, self.series, self.usages, self.credits)
+        return RunResult(
+            self.policy, summary, self.series, self.usages, self.credits, self.decisions
+        )
 
     def _price(self, book: PriceBook, horizon_s: float) -> dict[str, str]:
         """Cost and credits from the price book (Decimal end to end): the training

@@ -113,6 +113,7 @@ def summary(comparison: Comparison) -> dict[str, Any]:
             {
                 **policy.describe(),
                 "seconds": round(comparison.seconds[policy.name], 2),
+                "cpu_seconds": round(comparison.cpu_seconds.get(policy.name, math.nan), 2),
                 "results": result.summary,
             }
             for policy, result in zip(prepared.policies, comparison.results, strict=True)
