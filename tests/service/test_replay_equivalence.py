@@ -21,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 import yaml
 from nats.aio.msg import Msg
 from tests.support.admission import Admission, Client, with_inventory
+from tests.support.services import running
 
 from gpusched.checkpoint import app as checkpoint_app
 from gpusched.checkpoint.policy import EvictionPolicies
@@ -48,8 +48,6 @@ from gpusched.contracts.messages import (
 from gpusched.domain.inventory import Pool, parse_inventory
 from gpusched.domain.ledger import GpuStatus, Ledger, PriorityClass
 from gpusched.domain.pricing import PriceBook
-from gpusched.infra.migrations import migrations_dir
-from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import CheckpointSettings, PreemptionSettings, Settings
 from gpusched.preemption import app as preemption_app
 from gpusched.replay.demand import DemandCurve
@@ -145,19 +143,6 @@ def test_the_replay_alone_makes_the_scenario_s_decisions() -> None:
 # --- the services ---------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def service(settings: Settings, app: Any) -> AsyncIterator[ServiceRuntime]:
-    rt = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
-    await rt.start()
-    await app.build(rt)
-    task = asyncio.create_task(rt.run())
-    try:
-        yield rt
-    finally:
-        rt.request_stop()
-        await asyncio.wait_for(task, 20)
-
-
 @pytest.fixture
 def admission_settings(settings: Settings, tmp_path: Path) -> Settings:
     tuned = with_inventory(settings, tmp_path, INVENTORY)
@@ -250,8 +235,8 @@ async def test_the_services_and_the_replay_make_the_same_decisions(
     await on(f"{s.prefix}.jobs.*.control", asked)
 
     async with (
-        service(admission_settings, preemption_app),
-        service(admission_settings, checkpoint_app),
+        running(admission_settings, preemption_app),
+        running(admission_settings, checkpoint_app),
     ):
         for name, priority, gpus in JOBS:
             job_id = await client.submitted(
