@@ -115,6 +115,8 @@ def test_a_user_csv_is_read_and_bad_values_are_named(tmp_path: Path) -> None:
         ("name,arrival_s,gpus,run_s,class\nx,0,1,1,p9\n", "class 'p9' is not one of"),
         ("name,arrival_s,gpus,gpu_milli,run_s,class\nx,0,2,500,1,p1-normal\n", "a fraction"),
         ("name,arrival_s,gpus,run_s,class\n", "no rows"),
+        ("name,arrival_s,gpus,run_s,class\nx,1e12,1,1,p1-normal\n", "over ten years"),
+        ("name,arrival_s,gpus,run_s,class\nx,0,5000,1,p1-normal\n", "within 1..1024"),
     ):
         bad = tmp_path / "bad.csv"
         bad.write_text(body)

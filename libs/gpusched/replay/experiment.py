@@ -44,6 +44,9 @@ __all__ = ["Comparison", "Experiment", "Prepared", "prepare", "run"]
 
 STATIC_SHARE = 3 / 8
 HISTORY_DAYS = 28
+# A longer replay is a mistake (a compression below 1 on a long trace): it would only
+# take memory and hours.
+MAX_HORIZON_DAYS = 400
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,11 @@ def prepare(experiment: Experiment) -> Prepared:
         surges_per_day=experiment.surges_per_day,
     )
     horizon = workload.span_s + experiment.drain_s
+    if horizon > MAX_HORIZON_DAYS * 86_400:
+        raise ValueError(
+            f"the replay would span {horizon / 86_400:.0f} days (at most {MAX_HORIZON_DAYS}): "
+            "raise --compression or shorten the workload"
+        )
     demand = DemandCurve(params_demand, horizon, experiment.seed)
     history = DemandCurve(params_demand, HISTORY_DAYS * 86_400.0, experiment.seed + 1)
     limits = default_limits(shared_below=1.0)

@@ -33,6 +33,8 @@ DOWNLOAD_HINT = (
     "run times into <traces>/philly/), or point GPUSCHED_TRACES_DIR (--traces) at them"
 )
 USER_COLUMNS = ("name", "arrival_s", "gpus", "run_s", "class")
+# Ten years: a time past it is a typo (milliseconds for seconds), not a workload.
+MAX_SECONDS = 10 * 365 * 86_400.0
 
 
 class TraceError(ValueError):
@@ -161,15 +163,23 @@ def read_user_csv(path: Path) -> list[UserRow]:
         where = f"{path.name} line {line}"
         arrival, run = _number(row, "arrival_s", where), _number(row, "run_s", where)
         assert arrival is not None and run is not None
+        for column, value in (("arrival_s", arrival), ("run_s", run)):
+            if value > MAX_SECONDS:
+                raise TraceError(f"{where}: {column} {value:g} s is over ten years: give seconds")
         gpus = _count(row, "gpus", where)
         milli = _count(row, "gpu_milli", where, default=WHOLE_GPU_MILLI)
         priority = _CLASSES.get(row["class"])
         if priority is None:
             raise TraceError(f"{where}: class {row['class']!r} is not one of {', '.join(_CLASSES)}")
-        if gpus < 1 or not 0 < milli <= WHOLE_GPU_MILLI or (milli < WHOLE_GPU_MILLI and gpus != 1):
+        if (
+            gpus < 1
+            or gpus > 1024
+            or not 0 < milli <= WHOLE_GPU_MILLI
+            or (milli < WHOLE_GPU_MILLI and gpus != 1)
+        ):
             raise TraceError(
-                f"{where}: gpus must be >= 1 and gpu_milli within 1..1000 (a fraction for one "
-                f"GPU only), got gpus={gpus} gpu_milli={milli}"
+                f"{where}: gpus must be within 1..1024 and gpu_milli within 1..1000 (a "
+                f"fraction for one GPU only), got gpus={gpus} gpu_milli={milli}"
             )
         if run <= 0 and priority is not PriorityClass.INFERENCE:
             raise TraceError(f"{where}: run_s of a training job must be > 0")
