@@ -31,7 +31,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import IntEnum
 from typing import Any
 
@@ -55,14 +55,12 @@ from gpusched.preemption.signals import HeldSignals, PoolFigures, PoolReading, f
 from gpusched.simcluster.load import TRAINING_UTIL, LatencyModel
 
 from .demand import DemandCurve
-from .metrics import Recorder, RunResult
+from .metrics import EPOCH, Recorder, RunResult
 from .policies import Kind, Policy, most_recent_first
 from .workload import WHOLE_GPU_MILLI, TrainingJob, Workload
 
 __all__ = ["EPOCH", "EngineParams", "replay"]
 
-# The virtual clock's zero: a Monday, midnight UTC (the demand curve's hours follow it).
-EPOCH = datetime(2026, 1, 5, tzinfo=UTC)
 RATE_WINDOW = timedelta(seconds=controller.EVICTION_RATE_WINDOW_S)
 
 
@@ -667,15 +665,15 @@ class _Engine:
                 case sg.SendPreemptionCancelled():
                     pass  # the job keeps training
                 case sg.EmitEvictionCompleted():
-                    self._settled(saga, "completed")
+                    self._settled(saga)
                 case sg.EmitEvictionForced():
                     self.rec.credit(
                         self.jobs[saga.job_id].spec, effect.lost_gpu_seconds, self._gpu_model(saga)
                     )
-                    self._settled(saga, "forced")
+                    self._settled(saga)
                 case sg.EmitEvictionCancelled():
                     self._called_off(saga)
-                    self._settled(saga, "cancelled")
+                    self._settled(saga)
                 case sg.EmitEvictionAborted():
                     self._called_off(saga)
                     self._aborted(saga)
@@ -728,7 +726,8 @@ class _Engine:
             returned = self.ledger.return_to_shared(gpus=waiting)
             self._kick(capacity=bool(returned.freed))
 
-    def _settled(self, saga: sg.Saga, how: str) -> None:
+    def _settled(self, saga: sg.Saga) -> None:
+        """Completed, forced or cancelled: the eviction is over either way."""
         eviction = self.evictions[saga.request_id]
         if not eviction.open:
             return

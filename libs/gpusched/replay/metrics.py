@@ -28,8 +28,9 @@ from gpusched.domain.saga import Outcome
 
 from .workload import WHOLE_GPU_MILLI, TrainingJob
 
-__all__ = ["SERIES", "Recorder", "RunResult", "percentile"]
+__all__ = ["EPOCH", "SERIES", "Recorder", "RunResult", "percentile"]
 
+# The virtual clock's zero: a Monday, midnight UTC (the demand curve's hours follow it).
 EPOCH = datetime(2026, 1, 5, tzinfo=UTC)
 SERIES = (
     "t_h",
