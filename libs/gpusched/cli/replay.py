@@ -61,11 +61,19 @@ def replay(
     fmt: Annotated[Format, typer.Option("-o", "--output")] = Format.TABLE,
 ) -> int:
     from gpusched.cli.session import load_settings
-    from gpusched.replay.experiment import Experiment
-    from gpusched.replay.traces import TraceError
-    from gpusched.replay.workload import WorkloadError
+    from gpusched.replay.traces import TraceError, TraceFiles
 
     root = traces if traces is not None else load_settings().traces_dir
+    if csv is None:
+        # Before the heavy imports: a missing folder is said at once.
+        try:
+            TraceFiles(root, pod_list).check()
+        except TraceError as exc:
+            raise BadInput(str(exc)) from None
+
+    from gpusched.replay.experiment import Experiment
+    from gpusched.replay.workload import WorkloadError
+
     experiment = Experiment(
         traces_dir=root,
         pod_list=pod_list,
@@ -116,15 +124,17 @@ def _show(comparison: Comparison, fmt: Format, html: Path | None, json_out: Path
     from gpusched.replay import report
 
     data = report.summary(comparison)
-    if json_out is not None:
-        json_out.write_text(report.to_json(data) + "\n", encoding="utf-8")
-    if html is not None:
-        try:
+    try:
+        if json_out is not None:
+            json_out.write_text(report.to_json(data) + "\n", encoding="utf-8")
+        if html is not None:
             report.write_html(comparison, html, data)
-        except ModuleNotFoundError as exc:
-            raise BadInput(
-                f"the HTML report needs {exc.name}: pip install 'gpusched[replay]'"
-            ) from None
+    except ModuleNotFoundError as exc:
+        raise BadInput(
+            f"the HTML report needs {exc.name}: pip install 'gpusched[replay]'"
+        ) from None
+    except OSError as exc:
+        raise BadInput(f"cannot write {exc.filename}: {exc.strerror or exc}") from None
     if fmt is Format.TABLE:
         out = output.console()
         grid = output.table(*(name for name, _, _ in report.TABLE))

@@ -28,8 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
 from gpusched.domain.inventory import Inventory, Pool
 from gpusched.domain.pricing import PriceBook
 
@@ -126,7 +124,7 @@ def prepare(experiment: Experiment) -> Prepared:
             checkpoints=experiment.checkpoints,
         )
     if experiment.inventory is not None:
-        full = _read_inventory(experiment.inventory)
+        full = traces.read_inventory(experiment.inventory)
         share = 1.0
     else:
         if not files.nodes.is_file():
@@ -216,7 +214,7 @@ def prepare(experiment: Experiment) -> Prepared:
         "surges": len(demand.surges),
         "horizon_h": round(horizon / 3600, 2),
     }
-    book = _read_book(experiment.price_book)
+    book = traces.read_price_book(experiment.price_book)
     params = EngineParams(horizon_s=horizon, decide_every_s=experiment.decide_every_s)
     return Prepared(experiment, cluster, workload, demand, params, policies, book, sizing)
 
@@ -259,32 +257,6 @@ def _node_share(full: Inventory, workload: Workload, load: float) -> float:
     offered = workload.offered_gpus()
     wanted_total = offered / load / (1 - STATIC_SHARE)
     return min(1.0, max(wanted_total / full.total_gpus, 1e-4))
-
-
-def _read_inventory(path: Path) -> Inventory:
-    from gpusched.domain.inventory import InventoryError, parse_inventory
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return parse_inventory(data if isinstance(data, dict) else {})
-    except OSError as exc:
-        raise traces.TraceError(
-            f"cannot read the inventory {path}: {exc.strerror or exc}"
-        ) from None
-    except (yaml.YAMLError, InventoryError) as exc:
-        raise traces.TraceError(f"inventory {path.name}: {exc}") from None
-
-
-def _read_book(path: Path) -> PriceBook:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return PriceBook.from_mapping(data if isinstance(data, dict) else {})
-    except OSError as exc:
-        raise traces.TraceError(
-            f"cannot read the price book {path}: {exc.strerror or exc}"
-        ) from None
-    except (yaml.YAMLError, ValueError) as exc:
-        raise traces.TraceError(f"price book {path.name}: {exc}") from None
 
 
 def names(policies: Sequence[Policy]) -> list[str]:

@@ -9,8 +9,16 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpusched.domain.inventory import Inventory, InventoryError, parse_openb_node_csv
+import yaml
+
+from gpusched.domain.inventory import (
+    Inventory,
+    InventoryError,
+    parse_inventory,
+    parse_openb_node_csv,
+)
 from gpusched.domain.ledger import PriorityClass
+from gpusched.domain.pricing import PriceBook
 
 from .workload import WHOLE_GPU_MILLI, TracePod, UserRow
 
@@ -19,9 +27,11 @@ __all__ = [
     "PHILLY",
     "TraceError",
     "TraceFiles",
+    "read_inventory",
     "read_openb_nodes",
     "read_openb_pods",
     "read_philly",
+    "read_price_book",
     "read_user_csv",
 ]
 
@@ -197,3 +207,24 @@ def read_user_csv(path: Path) -> list[UserRow]:
     if not rows:
         raise TraceError(f"{path.name}: no rows")
     return rows
+
+
+def read_inventory(path: Path) -> Inventory:
+    """A user's inventory YAML (as deploy/inventory/)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return parse_inventory(data if isinstance(data, dict) else {})
+    except OSError as exc:
+        raise TraceError(f"cannot read the inventory {path}: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, InventoryError) as exc:
+        raise TraceError(f"inventory {path.name}: {exc}") from None
+
+
+def read_price_book(path: Path) -> PriceBook:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return PriceBook.from_mapping(data if isinstance(data, dict) else {})
+    except OSError as exc:
+        raise TraceError(f"cannot read the price book {path}: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, ValueError) as exc:
+        raise TraceError(f"price book {path.name}: {exc}") from None
