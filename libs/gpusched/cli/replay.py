@@ -63,7 +63,8 @@ def replay(
     from gpusched.cli.session import load_settings
     from gpusched.replay.traces import TraceError, TraceFiles
 
-    root = traces if traces is not None else load_settings().traces_dir
+    settings = load_settings()
+    root = traces if traces is not None else settings.traces_dir
     if csv is None:
         # Before the heavy imports: a missing folder is said at once.
         try:
@@ -84,6 +85,7 @@ def replay(
         node_share=node_share,
         seed=seed,
         only=tuple(policy) if policy else None,
+        price_book=settings.billing.price_book_path,
     )
     try:
         comparison = _run(experiment, quiet=fmt is not Format.TABLE)
