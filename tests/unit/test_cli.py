@@ -55,7 +55,10 @@ def test_every_command_has_help() -> None:
     [
         (["--gpus", "-1"], "gpusched: invalid gpus.count (--gpus): Input should be greater than"),
         (["--gpus", "0"], "gpusched: invalid host (--cpu-milli, --host-memory-mib): a job without"),
-        (["--gpus", "0", "--model", "V100"], "gpusched: invalid gpus: a job without GPUs (count 0) asks no model"),
+        (
+            ["--gpus", "0", "--model", "V100"],
+            "gpusched: invalid gpus: a job without GPUs (count 0) asks no model",
+        ),
         (["--gpus", "1", "--models", "A|"], "gpusched: invalid gpus.models.1 (--models): "),
         (["--gpus", "1", "--cpu-milli", "-5"], "gpusched: invalid host.cpu_milli (--cpu-milli)"),
         (["--gpus", "1", "--milli", "2000"], "gpusched: invalid gpus.milli (--milli): Input"),

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from gpusched.cli import audit, auth, billing, cancel, jobs, nodes, replicas, run
+from gpusched.cli import audit, auth, billing, cancel, jobs, nodes, replay, replicas, run
 from gpusched.cli.errors import EXIT_USAGE, CliError
 
 HELP = """Run the gpusched control plane and talk to it.
@@ -65,6 +65,7 @@ cancel.register(app)
 replicas.register(app)
 audit.register(app)
 billing.register(app)
+replay.register(app)
 app.add_typer(nodes.app, name="node")
 app.add_typer(auth.app, name="auth")
 

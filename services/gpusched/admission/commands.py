@@ -17,7 +17,6 @@ from gpusched.contracts.messages import (
     T,
 )
 from gpusched.domain import ledger as d
-from gpusched.domain.inventory import Pool
 from gpusched.infra.db import UnitOfWork
 
 from . import lending, store, wire
@@ -37,28 +36,11 @@ class LedgerCommands:
         ):
             await _audit_repeat(uow, envelope, command.decision_id, command.reservation_id)
             return
-        chosen: list[d.GpuRef] = []
-        unknown: list[str] = []
-        not_lendable: dict[str, str] = {}
-        for allocation_id in dict.fromkeys(command.allocation_ids):
-            try:
-                allocation = ledger.allocation(allocation_id)
-            except d.UnknownAllocation:
-                unknown.append(allocation_id)
-                continue
-            for ref in allocation.gpus:
-                slot = ledger.gpu(ref)
-                if slot.pool is not Pool.SHARED:
-                    not_lendable[str(ref)] = f"{slot.pool} pool"
-                elif slot.status is d.GpuStatus.SHARED:
-                    # Simplest honest rule: a GPU with fractional or MIG tenants is never lent.
-                    not_lendable[str(ref)] = "shared by fractional or MIG tenants"
-                elif slot.reserved_for not in (None, command.reservation_id):
-                    not_lendable[str(ref)] = f"already reserved for {slot.reserved_for}"
-                else:
-                    chosen.append(ref)
-        free = lending.free_to_lend(ledger, command.free_gpus, chosen)
-        chosen.extend(free)
+        plan = lending.to_reserve(
+            ledger, command.reservation_id, command.allocation_ids, command.free_gpus
+        )
+        chosen, free = plan.gpus, plan.free
+        unknown, not_lendable = list(plan.unknown), plan.not_lendable
         reserved = (
             ledger.reserve_for_inference(command.reservation_id, chosen)
             if chosen

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 
 from gpusched.domain.inventory import GpuRef, Pool
-from gpusched.domain.ledger import GpuSlot, GpuStatus, JobKind, Ledger
+from gpusched.domain.ledger import GpuSlot, GpuStatus, JobKind, Ledger, UnknownAllocation
 
 
 def idle_shared(slot: GpuSlot) -> bool:
@@ -58,3 +59,55 @@ def lent_to_return(ledger: Ledger, reservation_id: str, count: int) -> tuple[Gpu
 
     ordered = sorted(slots, key=lambda slot: (stage(slot), -idle_on[slot.ref.node], slot.ref))
     return tuple(slot.ref for slot in ordered[: max(count, 0)])
+
+
+@dataclass(frozen=True, slots=True)
+class ToReserve:
+    """What a reservation for inference takes: the victims' GPUs and idle ones."""
+
+    gpus: tuple[GpuRef, ...]
+    free: tuple[GpuRef, ...]  # the idle shared GPUs among them
+    unknown: tuple[str, ...] = ()  # allocations the ledger does not hold (ended meanwhile)
+    # A victim's GPU that cannot be lent, and why.
+    not_lendable: dict[str, str] = field(default_factory=dict)
+
+
+def to_reserve(
+    ledger: Ledger, reservation_id: str, allocation_ids: Iterable[str], free_gpus: int
+) -> ToReserve:
+    """The GPUs of the victims' allocations that may be lent, then ``free_gpus`` idle
+    shared GPUs (``free_to_lend``): what ``Ledger.reserve_for_inference`` is given."""
+    chosen: list[GpuRef] = []
+    unknown: list[str] = []
+    not_lendable: dict[str, str] = {}
+    for allocation_id in dict.fromkeys(allocation_ids):
+        try:
+            allocation = ledger.allocation(allocation_id)
+        except UnknownAllocation:
+            unknown.append(allocation_id)
+            continue
+        for ref in allocation.gpus:
+            slot = ledger.gpu(ref)
+            if slot.pool is not Pool.SHARED:
+                not_lendable[str(ref)] = f"{slot.pool} pool"
+            elif slot.status is GpuStatus.SHARED:
+                # Simplest honest rule: a GPU with fractional or MIG tenants is never lent.
+                not_lendable[str(ref)] = "shared by fractional or MIG tenants"
+            elif slot.reserved_for not in (None, reservation_id):
+                not_lendable[str(ref)] = f"already reserved for {slot.reserved_for}"
+            else:
+                chosen.append(ref)
+    free = free_to_lend(ledger, free_gpus, chosen)
+    return ToReserve((*chosen, *free), free, tuple(unknown), not_lendable)
+
+
+def waiting_for(ledger: Ledger, allocation_id: str) -> tuple[GpuRef, ...]:
+    """The GPUs of a live allocation that a reservation waits for (none if it ended):
+    when its eviction is called off they must go back to training, not to inference."""
+    if allocation_id not in ledger.allocations:
+        return ()
+    return tuple(
+        ref
+        for ref in ledger.allocation(allocation_id).gpus
+        if ledger.gpu(ref).reserved_for is not None
+    )

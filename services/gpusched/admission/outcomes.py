@@ -30,7 +30,7 @@ from gpusched.domain import ledger as d
 from gpusched.infra.db import UnitOfWork
 from gpusched.infra.errors import Rejected
 
-from . import cancel, mig, replicas, store, wire
+from . import cancel, lending, mig, replicas, store, wire
 from .keeper import LedgerKeeper
 from .nodes import requeue_lost, requeue_or_park
 from .queue import Clock, EvictionOutcome, JobState
@@ -389,12 +389,8 @@ class Outcomes:
         ledger = await self._keeper.hold(uow)
         held = await store.allocation(uow, allocation_id)
         waiting: tuple[d.GpuRef, ...] = ()
-        if held is not None and held.live and allocation_id in ledger.allocations:
-            waiting = tuple(
-                ref
-                for ref in ledger.allocation(allocation_id).gpus
-                if ledger.gpu(ref).reserved_for is not None
-            )
+        if held is not None and held.live:
+            waiting = lending.waiting_for(ledger, allocation_id)
         if waiting:
             await self._keeper.return_lent(
                 uow, waiting, causation_id=envelope.id, correlation_id=saga_id

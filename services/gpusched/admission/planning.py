@@ -138,6 +138,25 @@ def plan(
     )
 
 
+def crossed(
+    queue: QueueIndex,
+    thresholds: Sequence[timedelta],
+    since: datetime | None,
+    now: datetime,
+) -> set[str]:
+    """The queued jobs whose wait crossed one of ``thresholds`` (reserve_after,
+    starve_after) between the pass at ``since`` and ``now``: an incremental pass plans
+    them again, as they may take a reservation or be offered fewer GPUs now.
+    O(lines x log n)."""
+    if since is None:
+        return set()
+    return {
+        job.job_id
+        for threshold in thresholds
+        for job in queue.submitted_between(since - threshold, now - threshold)
+    }
+
+
 def _earliest(known: datetime | None, at: datetime) -> datetime:
     return at if known is None or at < known else known
 

@@ -49,7 +49,7 @@ from .explain import Attempt
 from .index import QueueIndex
 from .keeper import LedgerKeeper
 from .metrics import PASS_FAILURES, PLACEMENTS, SchedulerView
-from .planning import Grant, JobFailed, Plan, Reserving, Rules, plan
+from .planning import Grant, JobFailed, Plan, Reserving, Rules, crossed, plan
 from .queue import Clock
 from .reservations import Reservation, ReservationEnd, ended_reason, lapsed
 from .store import JobRecord
@@ -299,16 +299,7 @@ class Scheduler:
         return False
 
     def _crossed(self, now: datetime) -> set[str]:
-        """The queued jobs that crossed a threshold since the last pass (O(lines x log n))."""
-        if self._checked_at is None:
-            return set()
-        return {
-            job.job_id
-            for threshold in self._thresholds
-            for job in self._queue.index.submitted_between(
-                self._checked_at - threshold, now - threshold
-            )
-        }
+        return crossed(self._queue.index, self._thresholds, self._checked_at, now)
 
     async def _nothing_new(self) -> bool:
         """True when a pass would find nothing to do: no job changed, the ledger is as

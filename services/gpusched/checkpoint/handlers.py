@@ -42,7 +42,6 @@ from gpusched.contracts.messages import T
 from gpusched.contracts.subjects import check_token
 from gpusched.domain.saga import (
     TERMINAL_STATES,
-    Begin,
     CheckpointConfirmed,
     CheckpointFailed,
     CheckpointRef,
@@ -145,26 +144,18 @@ class SagaHandlers:
             why = "the request has a saga already"
             await _ignored(uow, known, "EvictionRequested", why, envelope.id)
             return
-        policy = self._policies.for_class(request.priority_class.value)
         try:
             saga, effects = begin(
-                Begin(
+                self._policies.begin(
                     saga_id=saga_id_for(request.request_id),
                     request_id=request.request_id,
                     allocation_id=request.allocation_id,
                     job_id=request.job_id,
                     gpus=request.gpus,
                     started_at=request.started_at,
-                    grace_s=self._policies.grace_s,
-                    policy=policy.on_deadline,
-                    stage_required=policy.stage_required,
+                    priority_class=request.priority_class.value,
                     reason=request.reason,
-                    last_confirmed=None if latest is None else latest.checkpoint,
-                    # A checkpoint from an earlier allocation is where this one resumed
-                    # from: no work is lost from before this allocation started.
-                    last_confirmed_at=(
-                        None if latest is None else max(latest.confirmed_at, request.started_at)
-                    ),
+                    latest=None if latest is None else (latest.checkpoint, latest.confirmed_at),
                 ),
                 now,
             )

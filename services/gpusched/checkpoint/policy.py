@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 from gpusched.checkpoint.verification import valid_scheme
 from gpusched.contracts.messages import PriorityClassName
-from gpusched.domain.saga import DeadlinePolicy, Stage
+from gpusched.domain.saga import Begin, CheckpointRef, DeadlinePolicy, Stage
 from gpusched.infra.settings import CheckpointSettings
 
 
@@ -47,6 +48,40 @@ class EvictionPolicies:
 
     def for_class(self, priority_class: str) -> ClassPolicy:
         return self.by_class.get(priority_class, SAFEST)
+
+    def begin(
+        self,
+        *,
+        saga_id: str,
+        request_id: str,
+        allocation_id: str,
+        job_id: str,
+        gpus: int,
+        started_at: datetime,
+        priority_class: str,
+        reason: str,
+        latest: tuple[CheckpointRef, datetime] | None,
+    ) -> Begin:
+        """The saga's opening for an eviction request: the class's stage and deadline
+        policy, and the job's newest verified checkpoint (``latest``: the checkpoint and
+        when it was confirmed) as the lost-work baseline."""
+        policy = self.for_class(priority_class)
+        return Begin(
+            saga_id=saga_id,
+            request_id=request_id,
+            allocation_id=allocation_id,
+            job_id=job_id,
+            gpus=gpus,
+            started_at=started_at,
+            grace_s=self.grace_s,
+            policy=policy.on_deadline,
+            stage_required=policy.stage_required,
+            reason=reason,
+            last_confirmed=None if latest is None else latest[0],
+            # A checkpoint from an earlier allocation is where this one resumed from: no
+            # work is lost from before this allocation started.
+            last_confirmed_at=None if latest is None else max(latest[1], started_at),
+        )
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,11 @@ from gpusched.domain.elastic import (
     PoolSignals,
     VictimCandidate,
     VictimChoice,
+    VictimOrder,
     choose_victims,
     decide_expand,
     decide_shrink,
+    least_lost_work_first,
 )
 from gpusched.domain.inventory import GpuRef
 from gpusched.preemption.signals import (
@@ -65,6 +67,9 @@ class ControllerLimits:
     min_lend_s: float = 0.0
     min_runtime_s: float = 0.0
     max_evictions_per_min: int | None = None
+    # How victims of one priority tier are ranked (a replay swaps it to measure what
+    # ranking by lost work is worth).
+    victim_order: VictimOrder = least_lost_work_first
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +232,7 @@ def _expand(
         now,
         min_runtime_s=limits.min_runtime_s,
         max_victims=allowance,
+        within_tier=limits.victim_order,
         island_of=view.islands,
     )
     if choice.deferred:
@@ -311,6 +317,7 @@ def replacement(
         now,
         min_runtime_s=limits.min_runtime_s,
         max_victims=allowance,
+        within_tier=limits.victim_order,
         island_of=island_of,
     )
 

@@ -1,0 +1,97 @@
+"""`gpusched replay` on the openb default pod list (8,152 pods): every policy on the same
+inputs in one run, so each figure has its baseline beside it.
+
+The experiment is the one docs/replay.md declares (compression 5, the openb cluster
+scaled so training asks 90% of the static split's shared pool, the diurnal demand with
+surges, seed 2023). The baselines are policies of the same run: the static 3:5 split
+(no lending) and Kubernetes-native preemption; each ablation is compared with gpusched.
+
+Figures (value, baseline, ratio):
+- seconds to replay the 8,152 pods under gpusched (wall clock, and the CPU seconds of
+  this process: on a shared machine the wall clock counts others' work too), beside
+  the static split's replay (the same pods and passes, no controller, no sagas); goal
+  < 30 s;
+- inference SLO attainment (share of time), gpusched vs the static split;
+- training goodput (GPU-hours), queuing time (mean), gpusched vs the static split;
+- GPU-hours lost to preemption and SLO attainment, gpusched vs Kubernetes preemption;
+- for every other policy: its SLO, goodput, lost GPU-hours and evictions beside gpusched's.
+
+Knobs: BENCH_REPLAY_SEED (2023), BENCH_REPLAY_HTML (a path: also write the report).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bench.harness import Context, Figure
+from gpusched.infra.settings import Settings
+from gpusched.replay import experiment, report
+from gpusched.replay.metrics import RunResult
+
+NAME = "replay"
+SEED = int(os.environ.get("BENCH_REPLAY_SEED", "2023"))
+HTML = os.environ.get("BENCH_REPLAY_HTML")
+
+
+def _get(result: RunResult, *path: str) -> float:
+    return report.figure(result, *path)
+
+
+async def run(ctx: Context) -> list[Figure]:
+    prepared = experiment.prepare(
+        experiment.Experiment(traces_dir=Settings().traces_dir, seed=SEED)
+    )
+    ctx.progress(
+        f"replay: {len(prepared.workload.jobs)} training jobs, "
+        f"{prepared.sizing['cluster_gpus']} GPUs, {len(prepared.policies)} policies"
+    )
+    comparison = experiment.run(prepared)
+    if HTML:
+        report.write_html(comparison, Path(HTML))
+        ctx.progress(f"replay: report written to {HTML}")
+    runs = {r.policy: r for r in comparison.results}
+    ours, static, k8s = runs["gpusched"], runs["static split"], runs["kubernetes preemption"]
+    pods = (
+        len(prepared.workload.jobs)
+        + len(prepared.workload.services)
+        + sum(prepared.workload.left_out.values())
+    )
+    figures = [
+        Figure(NAME, f"seconds_to_replay_{pods}_pods_gpusched", comparison.seconds["gpusched"],
+               "s", comparison.seconds["static split"]),
+        Figure(NAME, f"cpu_seconds_to_replay_{pods}_pods_gpusched",
+               comparison.cpu_seconds["gpusched"], "s", comparison.cpu_seconds["static split"]),
+        Figure(NAME, "slo_time_share_vs_static", _get(ours, "inference", "slo_time_share"),
+               "share", _get(static, "inference", "slo_time_share")),
+        Figure(NAME, "slo_request_share_vs_static",
+               _get(ours, "inference", "slo_request_share"), "share",
+               _get(static, "inference", "slo_request_share")),
+        Figure(NAME, "goodput_gpu_h_vs_static", _get(ours, "training", "goodput_gpu_h"),
+               "GPU-h", _get(static, "training", "goodput_gpu_h")),
+        Figure(NAME, "queuing_mean_h_vs_static", _get(ours, "training", "queuing", "mean_h"),
+               "h", _get(static, "training", "queuing", "mean_h")),
+        Figure(NAME, "jct_mean_h_vs_static", _get(ours, "training", "jct", "mean_h"), "h",
+               _get(static, "training", "jct", "mean_h")),
+        Figure(NAME, "lost_gpu_h_vs_kubernetes", _get(ours, "training", "lost_gpu_h"), "GPU-h",
+               _get(k8s, "training", "lost_gpu_h")),
+        Figure(NAME, "slo_time_share_vs_kubernetes", _get(ours, "inference", "slo_time_share"),
+               "share", _get(k8s, "inference", "slo_time_share")),
+    ]  # fmt: skip
+    for name, result in runs.items():
+        if name == "gpusched":
+            continue
+        tag = name.replace(",", "").replace(" ", "_")
+        for metric, path, unit in (
+            ("slo_time_share", ("inference", "slo_time_share"), "share"),
+            ("goodput_gpu_h", ("training", "goodput_gpu_h"), "GPU-h"),
+            ("lost_gpu_h", ("training", "lost_gpu_h"), "GPU-h"),
+            ("evictions", ("training", "evictions"), "evictions"),
+        ):
+            # The policy's figure beside gpusched's (ratio: the policy over gpusched).
+            figures.append(Figure(NAME, f"{tag}_{metric}", _get(result, *path), unit,
+                                  _get(ours, *path)))  # fmt: skip
+    for goal, verdict in report.goals(comparison.results).items():
+        ctx.progress(f"replay: goal {goal}: {'met' if verdict.get('met') else 'NOT met'}")
+    ctx.progress("replay: comparison\n" + report.markdown_table(comparison.results))
+    return figures

@@ -1,0 +1,153 @@
+"""`gpusched replay`: what gpusched would have done with a cluster's past, beside a static
+split and Kubernetes-native preemption. No stack needed: the replay runs the decision
+code in this process on a virtual clock (docs/replay.md).
+
+It reads the traces folder (``GPUSCHED_TRACES_DIR`` or ``--traces``), or a CSV of your
+own (``--csv``), prints the comparison (``-o json``: the summary) and, with ``--html``,
+writes the report with its plots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from gpusched.cli.errors import BadInput
+from gpusched.cli.output import Format
+
+if TYPE_CHECKING:
+    from gpusched.replay.experiment import Comparison, Experiment
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "replay",
+        help="Replay a trace under gpusched and its baselines; print the comparison.",
+    )(replay)
+
+
+def replay(
+    traces: Annotated[
+        Path | None,
+        typer.Option(help="the traces folder (default: GPUSCHED_TRACES_DIR, ../shared/traces)"),
+    ] = None,
+    pod_list: Annotated[str, typer.Option(help="openb pod list name")] = "openb_pod_list_default",
+    csv: Annotated[
+        Path | None, typer.Option(help="your own workload as CSV instead (docs/replay.md)")
+    ] = None,
+    inventory: Annotated[
+        Path | None, typer.Option(help="your own inventory (YAML) instead of openb's nodes")
+    ] = None,
+    compression: Annotated[
+        float, typer.Option(min=0.001, max=1e6, help="arrivals this many times sooner")
+    ] = 5.0,
+    load: Annotated[
+        float, typer.Option(min=0.01, max=2.0, help="training demand over the static partition")
+    ] = 0.9,
+    node_share: Annotated[
+        float | None,
+        typer.Option(min=1e-4, max=1.0, help="share of openb nodes (default: by load)"),
+    ] = None,
+    seed: Annotated[int, typer.Option(min=0, max=2**31, help="seed of every draw")] = 2023,
+    policy: Annotated[
+        list[str] | None, typer.Option(help="replay only this policy (repeatable)")
+    ] = None,
+    html: Annotated[Path | None, typer.Option(help="write the HTML report with plots here")] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="write the JSON summary here")
+    ] = None,
+    fmt: Annotated[Format, typer.Option("-o", "--output")] = Format.TABLE,
+) -> int:
+    from gpusched.cli.session import load_settings
+    from gpusched.replay.traces import TraceError, TraceFiles
+
+    settings = load_settings()
+    root = traces if traces is not None else settings.traces_dir
+    if csv is None:
+        # Before the heavy imports: a missing folder is said at once.
+        try:
+            TraceFiles(root, pod_list).check()
+        except TraceError as exc:
+            raise BadInput(str(exc)) from None
+
+    from gpusched.replay.experiment import Experiment
+    from gpusched.replay.workload import WorkloadError
+
+    experiment = Experiment(
+        traces_dir=root,
+        pod_list=pod_list,
+        csv=csv,
+        inventory=inventory,
+        compression=compression,
+        load=load,
+        node_share=node_share,
+        seed=seed,
+        only=tuple(policy) if policy else None,
+        price_book=settings.billing.price_book_path,
+    )
+    try:
+        comparison = _run(experiment, quiet=fmt is not Format.TABLE)
+    except (TraceError, WorkloadError) as exc:
+        raise BadInput(str(exc)) from None
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    return _show(comparison, fmt, html, json_out)
+
+
+def _run(experiment: Experiment, *, quiet: bool) -> Comparison:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gpusched.cli.output import console
+    from gpusched.replay.experiment import prepare, run
+
+    prepared = prepare(experiment)
+    with Progress(
+        TextColumn("{task.description:<42}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
+        transient=quiet,
+    ) as bar:
+        tasks = {p.name: bar.add_task(p.name, total=1.0) for p in prepared.policies}
+
+        def tell(name: str, done: float) -> None:
+            bar.update(tasks[name], completed=done)
+
+        return run(prepared, tell)
+
+
+def _show(comparison: Comparison, fmt: Format, html: Path | None, json_out: Path | None) -> int:
+    import json
+
+    from gpusched.cli import output
+    from gpusched.replay import report
+
+    data = report.summary(comparison)
+    try:
+        if json_out is not None:
+            json_out.write_text(report.to_json(data) + "\n", encoding="utf-8")
+        if html is not None:
+            report.write_html(comparison, html, data)
+    except ModuleNotFoundError as exc:
+        raise BadInput(
+            f"the HTML report needs {exc.name}: pip install 'gpusched[replay]'"
+        ) from None
+    except OSError as exc:
+        raise BadInput(f"cannot write {exc.filename}: {exc.strerror or exc}") from None
+    if fmt is Format.TABLE:
+        out = output.console()
+        grid = output.table(*(name for name, _, _ in report.TABLE))
+        for row in report.table_rows(comparison.results):
+            grid.add_row(*row)
+        out.print(grid)
+        for name, goal in data["goals"].items():
+            met = {True: "met", False: "NOT met", None: "-"}[goal.get("met")]
+            out.print(f"goal {name}: {goal['goal']}: {met}", markup=False)
+        if html is not None:
+            out.print(f"report: {html}", markup=False)
+    else:
+        output.emit(json.loads(report.to_json(data)), fmt, lambda _: None)
+    return 0

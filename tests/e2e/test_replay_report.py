@@ -1,0 +1,102 @@
+"""The replay's HTML report opens in a real browser: Debian's chromium, headless, loads it
+and every plot decodes; and the `gpusched replay` command end to end on a small CSV."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+INVENTORY = """
+nodes:
+  - name_prefix: n
+    count: 8
+    pool: shared
+    gpu_model: T4
+    gpus: 4
+    cpu_milli: 64000
+    memory_mib: 262144
+"""
+
+
+def month(tmp_path: Path) -> tuple[Path, Path]:
+    """A small workload of one's own: a service mix and 80 training jobs over 10 hours."""
+    rows = ["name,arrival_s,gpus,gpu_milli,run_s,class,team", "chat,0,2,,0,inference,web"]
+    for i in range(80):
+        rows.append(f"job{i},{i * 450},{1 + i % 4},,{3600 + 97 * i},"
+                    f"{('p2-offline', 'p1-normal')[i % 2]},lab")  # fmt: skip
+    csv = tmp_path / "month.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    inventory = tmp_path / "cluster.yaml"
+    inventory.write_text(INVENTORY)
+    return csv, inventory
+
+
+def gpusched(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpusched.cli.main", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_replay_on_a_csv_of_ones_own_prints_json_and_writes_a_report(tmp_path: Path) -> None:
+    csv, inventory = month(tmp_path)
+    html = tmp_path / "report.html"
+
+    done = gpusched(
+        "replay", "--csv", str(csv), "--inventory", str(inventory), "--html", str(html),
+        "--policy", "gpusched", "--policy", "static split", "--policy",
+        "kubernetes preemption", "-o", "json", cwd=REPO,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert [p["name"] for p in data["policies"]] == [
+        "gpusched", "static split", "kubernetes preemption"
+    ]  # fmt: skip
+    assert data["workload"]["training_jobs"] == 80
+    assert data["policies"][0]["results"]["training"]["arrived"] == 80
+    assert html.stat().st_size > 10_000
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=10000",
+         "--dump-dom", html.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+    ).stdout  # fmt: skip
+    assert 'id="comparison-table"' in dom
+    loaded = re.search(r'data-images-loaded="(\d+)"', dom)
+    assert loaded is not None, dom[:500]
+    assert int(loaded.group(1)) == dom.count("<img") >= 7
+
+
+def test_a_missing_traces_folder_is_one_line_that_says_how_to_get_them(tmp_path: Path) -> None:
+    done = gpusched("replay", "--traces", str(tmp_path / "none"), cwd=REPO)
+
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert lines[0].startswith("gpusched: no traces folder at")
+    assert "README.md 'Cluster traces'" in lines[0]
+
+
+def test_a_bad_csv_is_one_line_naming_the_row(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,arrival_s,gpus,run_s,class\nx,Infinity,1,10,p1-normal\n")
+
+    done = gpusched("replay", "--csv", str(bad), cwd=REPO)
+
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpusched: bad.csv line 2: arrival_s must be a finite number >= 0, got 'Infinity'"
+    ]
