@@ -27,6 +27,7 @@ from nats.aio.client import Client as NatsClient
 
 from gpusched.agent.identity import prepare_workdir, workload_user
 from gpusched.agent.publisher import Publisher, event_id
+from gpusched.agent.reports import Reports, Stopped
 from gpusched.agent.workloads import (
     ProcessWorkload,
     SimWorkload,
@@ -39,7 +40,6 @@ from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
     AgentReady,
     AllocationReleased,
-    EvictFailed,
     EvictWorkload,
     GpusReserved,
     GpusReturned,
@@ -47,16 +47,12 @@ from gpusched.contracts.messages import (
     InventoryChanged,
     InventoryLoaded,
     MigConfigure,
-    MigConfigured,
-    MigConfigureFailed,
     NodeChange,
     NodeHealth,
     RenewCredentials,
     StartWorkload,
     StopReason,
     T,
-    WorkloadStarted,
-    WorkloadStopped,
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.domain.inventory import GpuRef
@@ -99,14 +95,6 @@ class _Running:
     watcher: asyncio.Task[None] | None = None
 
 
-@dataclass(frozen=True)
-class _Stopped:
-    job_id: str
-    reason: StopReason
-    stopped_at: datetime
-    exit_code: int | None
-
-
 class ClusterAgent:
     def __init__(
         self,
@@ -137,6 +125,7 @@ class ClusterAgent:
         self._evict_grace_s = evict_grace_s
         self._shutdown_grace_s = shutdown_grace_s
         self._now = clock
+        self._reports = Reports(publisher, subjects, clock)
         self.view = ClusterView()
         self.demand_gpus = 0.0
         self._running: dict[str, _Running] = {}
@@ -144,7 +133,7 @@ class ClusterAgent:
         self.mig_layouts: dict[GpuRef, tuple[str, ...]] = {}
         # Nodes this (simulated) cluster was told broke: nothing can be done on them.
         self.down_nodes: set[str] = set()
-        self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
+        self._stopped: OrderedDict[str, Stopped] = OrderedDict()
         self._tick = 0
         self.agent_id = agent_id
         # The connection's reconnect count when agent.ready last went out (None: never).
@@ -165,7 +154,7 @@ class ClusterAgent:
             raise RuntimeError("the agent is shutting down")  # redelivered to the next agent
         if (entry := self._running.get(alloc)) is not None:
             # A redelivery: its first delivery may have failed to report the start.
-            await self._publisher.send(self._s.event("agent", T.WORKLOAD_STARTED), entry.started)
+            await self._reports.send(entry.started)
             return
         if alloc in self._stopped:
             log.info("ignoring a start for allocation %s, which already ran", alloc)
@@ -179,15 +168,7 @@ class ClusterAgent:
             await self._report_stop(start, failed, saga_id=None, causation_id=envelope.id)
             return
         node = start.gpus[0].node if start.gpus else (start.node or "")
-        started = self._publisher.envelope(
-            T.WORKLOAD_STARTED,
-            WorkloadStarted(
-                allocation_id=alloc, job_id=start.job_id, node=node, started_at=self._now()
-            ),
-            correlation_id=start.job_id,
-            causation_id=envelope.id,
-            envelope_id=event_id(alloc, "started"),
-        )
+        started = self._reports.started(alloc, start.job_id, node, envelope.id)
         # Tracked before the report goes out: if publishing fails, the redelivered
         # command finds the workload running and reports it again.
         entry = _Running(start, workload, started)
@@ -199,7 +180,7 @@ class ClusterAgent:
             start.job_id,
             alloc,
         )
-        await self._publisher.send(self._s.event("agent", T.WORKLOAD_STARTED), started)
+        await self._reports.send(started)
 
     async def on_renew_credentials(self, envelope: Envelope) -> None:
         """Fresh credentials for a running process workload (its file is rewritten); a
@@ -229,9 +210,7 @@ class ClusterAgent:
             else:
                 # Already gone (a redelivered evict, or it ended on its own first):
                 # answer with how it ended, for this saga.
-                await self._publish_stop(
-                    alloc, stopped, saga_id=evict.saga_id, causation_id=envelope.id
-                )
+                await self._reports.stopped(alloc, stopped, evict.saga_id, envelope.id)
             return
         if entry.phase is Phase.STOPPING:
             return  # the agent is already ending it and will report it
@@ -256,19 +235,8 @@ class ClusterAgent:
         error = self._mig_refusal(ref)
         if error is not None:
             log.warning("cannot change the MIG layout of %s: %s", ref, error)
-            await self._publisher.publish(
-                self._s.event("agent", T.MIG_CONFIGURE_FAILED),
-                T.MIG_CONFIGURE_FAILED,
-                MigConfigureFailed(
-                    change_id=command.change_id,
-                    node=command.node,
-                    gpu=command.gpu,
-                    error=error,
-                    time=self._now(),
-                ),
-                correlation_id=command.change_id,
-                causation_id=envelope.id,
-                envelope_id=event_id(command.change_id, "mig-failed"),
+            await self._reports.mig_failed(
+                command.change_id, command.node, command.gpu, error, envelope.id
             )
             return
         self.mig_layouts[ref] = tuple(command.profiles)
@@ -278,19 +246,8 @@ class ClusterAgent:
             command.gpu,
             "+".join(command.profiles) or "none",
         )
-        await self._publisher.publish(
-            self._s.event("agent", T.MIG_CONFIGURED),
-            T.MIG_CONFIGURED,
-            MigConfigured(
-                change_id=command.change_id,
-                node=command.node,
-                gpu=command.gpu,
-                profiles=command.profiles,
-                applied_at=self._now(),
-            ),
-            correlation_id=command.change_id,
-            causation_id=envelope.id,
-            envelope_id=event_id(command.change_id, "mig"),
+        await self._reports.mig_configured(
+            command.change_id, command.node, command.gpu, command.profiles, envelope.id
         )
 
     def _mig_refusal(self, ref: GpuRef) -> str | None:
@@ -487,7 +444,7 @@ class ClusterAgent:
             await self._forget_watcher(entry)
             alloc = entry.start.allocation_id
             self._running.pop(alloc, None)
-            self._stopped[alloc] = _Stopped(
+            self._stopped[alloc] = Stopped(
                 entry.start.job_id, StopReason.FAILED, self._now(), exit_code
             )
             log.info("job %s lost with node %s (allocation %s)", entry.start.job_id, node, alloc)
@@ -551,48 +508,17 @@ class ClusterAgent:
         causation_id: str | None,
     ) -> None:
         alloc = start.allocation_id
-        stopped = _Stopped(start.job_id, result.reason, self._now(), result.exit_code)
+        stopped = Stopped(start.job_id, result.reason, self._now(), result.exit_code)
         # Recorded before publishing: a redelivered evict finds it and publishes again.
         self._running.pop(alloc, None)
         self._stopped[alloc] = stopped
         while len(self._stopped) > _REMEMBERED_STOPS:
             self._stopped.popitem(last=False)
-        await self._publish_stop(alloc, stopped, saga_id=saga_id, causation_id=causation_id)
-
-    async def _publish_stop(
-        self, alloc: str, stopped: _Stopped, *, saga_id: str | None, causation_id: str | None
-    ) -> None:
-        await self._publisher.publish(
-            self._s.event("agent", T.WORKLOAD_STOPPED),
-            T.WORKLOAD_STOPPED,
-            WorkloadStopped(
-                allocation_id=alloc,
-                job_id=stopped.job_id,
-                reason=stopped.reason,
-                stopped_at=stopped.stopped_at,
-                exit_code=stopped.exit_code,
-                saga_id=saga_id,
-            ),
-            correlation_id=saga_id or stopped.job_id,
-            causation_id=causation_id,
-            envelope_id=event_id(alloc, "stopped", saga_id or ""),
-        )
+        await self._reports.stopped(alloc, stopped, saga_id, causation_id)
 
     async def _evict_failed(self, evict: EvictWorkload, causation_id: str, error: str) -> None:
         log.warning("cannot evict %s (saga %s): %s", evict.allocation_id, evict.saga_id, error)
-        await self._publisher.publish(
-            self._s.event("agent", T.EVICT_FAILED),
-            T.EVICT_FAILED,
-            EvictFailed(
-                allocation_id=evict.allocation_id,
-                job_id=evict.job_id,
-                saga_id=evict.saga_id,
-                error=error,
-            ),
-            correlation_id=evict.saga_id,
-            causation_id=causation_id,
-            envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id),
-        )
+        await self._reports.evict_failed(evict, causation_id, error)
 
 
 def _require_producer(envelope: Envelope) -> None:

@@ -36,7 +36,8 @@ import yaml
 from nats.aio.client import Client as NatsClient
 
 from gpusched.agent.handlers import COMMAND_SOURCES
-from gpusched.agent.publisher import Publisher, event_id
+from gpusched.agent.publisher import Publisher
+from gpusched.agent.reports import Reports, Stopped
 from gpusched.agent.workloads import mps_environment, without_credentials
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
@@ -44,13 +45,10 @@ from gpusched.contracts.messages import (
     AllocationGranted,
     AllocationReleased,
     AuditRecord,
-    EvictFailed,
     EvictWorkload,
     InventoryChanged,
     InventoryLoaded,
     MigConfigure,
-    MigConfigured,
-    MigConfigureFailed,
     NodeChange,
     NodeHealth,
     NodeReply,
@@ -61,8 +59,6 @@ from gpusched.contracts.messages import (
     StopReason,
     SubmitReply,
     T,
-    WorkloadStarted,
-    WorkloadStopped,
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.errors import Rejected, Unavailable
@@ -118,14 +114,6 @@ class StartFailed(Exception):
 
 
 @dataclass
-class _Stopped:
-    job_id: str
-    reason: StopReason
-    stopped_at: datetime
-    exit_code: int | None
-
-
-@dataclass
 class _MigChange:
     change_id: str
     node: str
@@ -171,6 +159,7 @@ class KubernetesAgent:
         self.agent_id = agent_id
         self._pod_nats_url = settings.pod_nats_url or without_credentials(nats_url)
         self._now = clock
+        self._reports = Reports(publisher, subjects, clock)
         self._names = DraNames(
             settings.dra_driver,
             settings.dra_device_class,
@@ -194,7 +183,7 @@ class KubernetesAgent:
         self._admission: dict[str, KnownNode] = {}
         self._granted: dict[str, AllocationGranted] = {}
         self._allocations: dict[str, _Allocation] = {}
-        self._stopped: OrderedDict[str, _Stopped] = OrderedDict()
+        self._stopped: OrderedDict[str, Stopped] = OrderedDict()
         # Allocations admission released (why), from its event history: their pods must
         # not run on, nor be reported running, whoever ended them.
         self._released: OrderedDict[str, str] = OrderedDict()
@@ -539,18 +528,7 @@ class KubernetesAgent:
         result = gang_outcome(outcomes)
         if result.progress is Progress.RUNNING and not state.started_reported:
             node = next((m.node for m in members if m.node), "")
-            await self._publisher.publish(
-                self._s.event("agent", T.WORKLOAD_STARTED),
-                T.WORKLOAD_STARTED,
-                WorkloadStarted(
-                    allocation_id=alloc,
-                    job_id=state.job_id,
-                    node=node or "",
-                    started_at=self._now(),
-                ),
-                correlation_id=state.job_id,
-                envelope_id=event_id(alloc, "started"),
-            )
+            await self._reports.send(self._reports.started(alloc, state.job_id, node or ""))
             state.started_reported = True
             log.info("allocation %s of job %s is running", alloc, state.job_id)
         elif result.progress is Progress.ENDED:
@@ -624,8 +602,8 @@ class KubernetesAgent:
                     with contextlib.suppress(NotFound):
                         await self.kube.delete_pod(key[0], key[1])
 
-    def _remember(self, alloc: str, job_id: str, reason: StopReason, code: int | None) -> _Stopped:
-        stopped = _Stopped(job_id, reason, self._now(), code)
+    def _remember(self, alloc: str, job_id: str, reason: StopReason, code: int | None) -> Stopped:
+        stopped = Stopped(job_id, reason, self._now(), code)
         self._stopped[alloc] = stopped
         while len(self._stopped) > _REMEMBERED_STOPS:
             self._stopped.popitem(last=False)
@@ -649,28 +627,8 @@ class KubernetesAgent:
             reason.value,
             f" ({error})" if error else "",
         )
-        await self._publish_stop(alloc, stopped, saga, None)
+        await self._reports.stopped(alloc, stopped, saga, None)
 
-    async def _publish_stop(
-        self, alloc: str, stopped: _Stopped, saga_id: str | None, causation_id: str | None
-    ) -> None:
-        await self._publisher.publish(
-            self._s.event("agent", T.WORKLOAD_STOPPED),
-            T.WORKLOAD_STOPPED,
-            WorkloadStopped(
-                allocation_id=alloc,
-                job_id=stopped.job_id,
-                reason=stopped.reason,
-                stopped_at=stopped.stopped_at,
-                exit_code=stopped.exit_code,
-                saga_id=saga_id,
-            ),
-            correlation_id=saga_id or stopped.job_id,
-            causation_id=causation_id,
-            envelope_id=event_id(alloc, "stopped", saga_id or ""),
-        )
-
-    # --- commands ---------------------------------------------------------------------------
     async def on_start(self, envelope: Envelope) -> None:
         _require_producer(envelope)
         start = envelope.payload(StartWorkload)
@@ -938,7 +896,7 @@ class KubernetesAgent:
                     evict, envelope.id, "no pod of this allocation on the cluster"
                 )
             else:
-                await self._publish_stop(alloc, stopped, evict.saga_id, envelope.id)
+                await self._reports.stopped(alloc, stopped, evict.saga_id, envelope.id)
             return
         state = self._allocations.setdefault(
             alloc, _Allocation(evict.job_id, {m.key for m in members})
@@ -984,19 +942,7 @@ class KubernetesAgent:
 
     async def _evict_failed(self, evict: EvictWorkload, causation_id: str, error: str) -> None:
         log.warning("cannot evict %s (saga %s): %s", evict.allocation_id, evict.saga_id, error)
-        await self._publisher.publish(
-            self._s.event("agent", T.EVICT_FAILED),
-            T.EVICT_FAILED,
-            EvictFailed(
-                allocation_id=evict.allocation_id,
-                job_id=evict.job_id,
-                saga_id=evict.saga_id,
-                error=error[:1000],
-            ),
-            correlation_id=evict.saga_id,
-            causation_id=causation_id,
-            envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id, causation_id),
-        )
+        await self._reports.evict_failed(evict, causation_id, error, causation_id)
 
     async def on_renew_credentials(self, envelope: Envelope) -> None:
         renewal = envelope.payload(RenewCredentials)
@@ -1119,19 +1065,8 @@ class KubernetesAgent:
                 and state == mig.SUCCESS
             ):
                 del self._mig[node_name]
-                await self._publisher.publish(
-                    self._s.event("agent", T.MIG_CONFIGURED),
-                    T.MIG_CONFIGURED,
-                    MigConfigured(
-                        change_id=change.change_id,
-                        node=node_name,
-                        gpu=change.gpu,
-                        profiles=change.profiles,
-                        applied_at=self._now(),
-                    ),
-                    correlation_id=change.change_id,
-                    causation_id=change.causation_id,
-                    envelope_id=event_id(change.change_id, "mig"),
+                await self._reports.mig_configured(
+                    change.change_id, node_name, change.gpu, change.profiles, change.causation_id
                 )
             elif node is None or state == mig.FAILED or time.monotonic() > change.deadline:
                 del self._mig[node_name]
@@ -1150,16 +1085,7 @@ class KubernetesAgent:
         self, change_id: str, node: str, gpu: int, error: str, causation_id: str
     ) -> None:
         log.warning("cannot change the MIG layout of %s/%d: %s", node, gpu, error)
-        await self._publisher.publish(
-            self._s.event("agent", T.MIG_CONFIGURE_FAILED),
-            T.MIG_CONFIGURE_FAILED,
-            MigConfigureFailed(
-                change_id=change_id, node=node, gpu=gpu, error=error, time=self._now()
-            ),
-            correlation_id=change_id,
-            causation_id=causation_id,
-            envelope_id=event_id(change_id, "mig-failed"),
-        )
+        await self._reports.mig_failed(change_id, node, gpu, error, causation_id)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def announce_if_due(self, caught_up: Callable[[], Awaitable[bool]]) -> bool:
