@@ -34,6 +34,9 @@ from gpusched.infra.settings import Settings
 from gpusched.infra.supervisor import ProcessSpec, Supervisor
 
 HOLD_S = 2.0
+# The snapshots' averaging window: after a decision, the next window opens with the
+# first reading whose window began after it.
+WINDOW_S = 1.0
 REPLICAS = ("preemption-a", "preemption-b")
 ENV = {
     "GPUSCHED_PREEMPTION__COOLDOWN_S": "0",
@@ -47,7 +50,7 @@ ENV = {
 def hot_snapshot() -> PoolSnapshot:
     return PoolSnapshot(
         time=utcnow(),
-        window_s=1,
+        window_s=WINDOW_S,
         pools=[
             PoolState(pool="inference", gpus=24, util=0.95, reporting_gpus=24),
             PoolState(pool="shared", gpus=40, util=0.0, reporting_gpus=40),
@@ -128,7 +131,7 @@ async def test_a_killed_leader_is_replaced_within_five_seconds_without_a_double_
         assert {replica for _, replica, _ in before} == {leader_id}
 
         # Kill it in the middle of the next window.
-        await asyncio.sleep(HOLD_S / 2)
+        await asyncio.sleep(WINDOW_S + HOLD_S / 2)
         replicas.kill(leader)
         killed_at = utcnow()
         done = len(await decisions(engine))
