@@ -25,6 +25,7 @@ models to the pods that need them.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,13 @@ class ModelDemand:
         return tuple((models, demand / total) for models, demand in self._by_models.items())
 
 
+@functools.lru_cache(maxsize=64)
+def _accepts(model_names: tuple[str, ...], specs: tuple[tuple[str, ...], ...]) -> Floats:
+    """1.0 where demand ``i`` (its accepted models; empty: any) may use model ``j``."""
+    rows = [[float(not models or name in models) for name in model_names] for models in specs]
+    return np.array(rows, dtype=np.float64).reshape(len(specs), len(model_names))
+
+
 def model_pressure(
     table: NodeTable, demand: Sequence[tuple[tuple[str, ...], float]], unallocated: Ints
 ) -> Floats:
@@ -184,16 +192,13 @@ def model_pressure(
     total_free = float(free.sum())
     if not total_free or not any(models for models, _ in demand):
         return np.ones(len(table), dtype=np.float64)
-    pressure = np.zeros(len(table.model_names), dtype=np.float64)
-    for models, share in demand:
-        accepted = [i for i, name in enumerate(table.model_names) if not models or name in models]
-        pool = float(free[accepted].sum())
-        if pool > 0:
-            # Its demand over the free compute of the models it may use: the same
-            # pressure on each of them.
-            pressure[accepted] += share / pool
-        elif accepted:
-            pressure[accepted] += share / max(total_free, 1.0)
+    accepts = _accepts(tuple(table.model_names), tuple(models for models, _ in demand))
+    shares = np.fromiter((share for _, share in demand), dtype=np.float64, count=len(demand))
+    # Each demand over the free compute of the models it may use (the cluster's, if
+    # those have none left): the same pressure on each of them.
+    pools = accepts @ free
+    per_demand = shares / np.where(pools > 0, pools, max(total_free, 1.0))
+    pressure: Floats = per_demand @ accepts
     # The average pressure: all demand over all free compute.
     by_model = pressure * total_free
     result: Floats = by_model[table.model]

@@ -207,6 +207,11 @@ class Scores:
                 return
             pairs = rows[at]
             lefts = table.left[pairs, cols]
+            # A node's GPUs with the same compute left score alike, and the lowest column
+            # wins their tie: score one of each (np.nonzero lists columns in order, and
+            # np.unique keeps the first of each key). Most GPUs are whole or idle.
+            _, one = np.unique(pairs * (WHOLE + 1) + lefts, return_index=True)
+            pairs, lefts, cols = pairs[one], lefts[one], cols[one]
             growth = frag.growth_share(pairs, lefts, milli, cpu, memory)
             score = self._terms(frag, pairs, growth, milli, cpu) + _TIGHTER * lefts
             # Per node its best GPU: sorted by node, then score, the first of each node.
