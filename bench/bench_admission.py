@@ -51,7 +51,6 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.domain.inventory import parse_inventory
 from gpusched.domain.ledger import Ledger
 from gpusched.infra.db import UnitOfWorkFactory, create_engine
-from gpusched.infra.embedded import free_port
 from gpusched.infra.settings import Settings
 
 NAME = "admission"
@@ -367,19 +366,19 @@ async def run(ctx: Context) -> list[Figure]:
     await prepare(settings, (ADMISSION,))
     ctx.progress(f"{NAME}: storing {QUEUED} queued jobs")
     await fill(settings, QUEUED)
-    port = free_port()
     stack = Stack(
         settings,
         services=(ADMISSION,),
         env={
             "GPUSCHED_LOG_LEVEL": "WARNING",
             "GPUSCHED_ADMISSION__INVENTORY_PATH": str(inventory),
-            "GPUSCHED_METRICS_PORT": str(port),
         },
         log_dir=ctx.scratch / "admission-logs",
     )
     ctx.progress(f"{NAME}: starting the admission service")
     await asyncio.to_thread(stack.start)
+    # The stack gives each service a metrics port of its own.
+    port = stack.metrics_ports[ADMISSION]
     nc = await nats.connect(ctx.nats_url, name="bench-admission")
     s = Subjects(settings.subject_prefix)
     try:
