@@ -26,7 +26,6 @@ from gpusched.domain.elastic import ElasticThresholds, VictimCandidate
 from gpusched.domain.saga import DeadlinePolicy, Stage
 from gpusched.infra.settings import CheckpointSettings, IngestSettings, PreemptionSettings
 from gpusched.preemption.policy import ControllerLimits
-from gpusched.preemption.signals import SignalLimits
 
 __all__ = [
     "Kind",
@@ -110,26 +109,7 @@ def default_limits(**changes: object) -> ControllerLimits:
     """The controller's limits from the shipped settings (``preemption.app.limits``),
     with ``changes`` to the settings section applied first."""
     p = PreemptionSettings().model_copy(update=changes)
-    return ControllerLimits(
-        thresholds=ElasticThresholds(
-            expand_above=p.expand_above,
-            target=p.target,
-            shrink_below=p.shrink_below,
-            shared_below=p.shared_below,
-        ),
-        cooldown_s=p.cooldown_s,
-        max_reading_age_s=IngestSettings().stale_after_s,
-        signals=SignalLimits(
-            expand_hold_s=p.expand_hold_s,
-            shrink_hold_s=p.shrink_hold_s,
-            slo_ms=dict(p.slo_ms),
-            slo_fraction=p.slo_fraction,
-            queue_above=p.queue_above,
-        ),
-        min_lend_s=p.min_lend_s,
-        min_runtime_s=p.min_runtime_s,
-        max_evictions_per_min=p.max_evictions_per_min,
-    )
+    return ControllerLimits.from_settings(p, IngestSettings().stale_after_s)
 
 
 def default_evictions() -> EvictionPolicies:

@@ -38,7 +38,6 @@ from gpusched.agent.workloads import (
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
-    AgentReady,
     AllocationReleased,
     EvictWorkload,
     GpusReserved,
@@ -361,24 +360,8 @@ class ClusterAgent:
 
     async def announce(self) -> None:
         """Publish `agent.ready`: this agent, its nodes and the allocations it runs."""
-        ready = AgentReady(
-            agent_id=self.agent_id,
-            nodes=sorted(self.view.nodes),
-            running=sorted(a for a, e in self._running.items() if e.phase is Phase.RUNNING),
-            time=self._now(),
-        )
-        log.info(
-            "agent %s ready: %d node(s), %d allocation(s) running",
-            self.agent_id,
-            len(ready.nodes),
-            len(ready.running),
-        )
-        await self._publisher.publish(
-            self._s.event("agent", T.AGENT_READY),
-            T.AGENT_READY,
-            ready,
-            correlation_id=self.agent_id,
-        )
+        running = sorted(a for a, e in self._running.items() if e.phase is Phase.RUNNING)
+        await self._reports.ready(self.agent_id, sorted(self.view.nodes), running)
 
     async def supervise(self) -> None:
         """Runs for the agent's life; when the runtime stops (cancels it), no workload

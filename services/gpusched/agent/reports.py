@@ -5,6 +5,7 @@ re-observed pod reports the very same event and consumers drop the copy."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +13,7 @@ from datetime import datetime
 from gpusched.agent.publisher import Publisher, event_id
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import (
+    AgentReady,
     EvictFailed,
     EvictWorkload,
     MigConfigured,
@@ -24,6 +26,8 @@ from gpusched.contracts.messages import (
 from gpusched.contracts.subjects import Subjects
 
 __all__ = ["Reports", "Stopped"]
+
+log = logging.getLogger(__name__)
 
 # An evict failure's error as reported: enough to say what went wrong.
 ERROR_MAX = 1000
@@ -98,6 +102,22 @@ class Reports:
             correlation_id=evict.saga_id,
             causation_id=causation_id,
             envelope_id=event_id(evict.allocation_id, "evict_failed", evict.saga_id, *id_parts),
+        )
+
+    async def ready(self, agent_id: str, nodes: list[str], running: list[str]) -> None:
+        """The agent is up: its nodes and the allocations running on them (admission
+        reconciles its ledger with them)."""
+        log.info(
+            "agent %s ready: %d node(s), %d allocation(s) running",
+            agent_id,
+            len(nodes),
+            len(running),
+        )
+        await self._publisher.publish(
+            self._s.event("agent", T.AGENT_READY),
+            T.AGENT_READY,
+            AgentReady(agent_id=agent_id, nodes=nodes, running=running, time=self._now()),
+            correlation_id=agent_id,
         )
 
     async def mig_configured(

@@ -4,42 +4,19 @@ in, reservations, returns and eviction requests out."""
 from __future__ import annotations
 
 from gpusched.contracts.messages import T
-from gpusched.domain.elastic import ElasticThresholds
 from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
 from gpusched.preemption import handlers
 from gpusched.preemption.policy import ControllerLimits
-from gpusched.preemption.signals import SignalLimits
 
 NAME = handlers.NAME
 SCHEMA = "preemption"
 
 
 def limits(settings: Settings) -> ControllerLimits:
-    p = settings.preemption
-    return ControllerLimits(
-        # Refuses thresholds outside 0 < shrink_below < target < expand_above at start.
-        thresholds=ElasticThresholds(
-            expand_above=p.expand_above,
-            target=p.target,
-            shrink_below=p.shrink_below,
-            shared_below=p.shared_below,
-        ),
-        cooldown_s=p.cooldown_s,
-        max_reading_age_s=settings.ingest.stale_after_s,
-        signals=SignalLimits(
-            expand_hold_s=p.expand_hold_s,
-            shrink_hold_s=p.shrink_hold_s,
-            slo_ms=dict(p.slo_ms),
-            slo_fraction=p.slo_fraction,
-            queue_above=p.queue_above,
-        ),
-        min_lend_s=p.min_lend_s,
-        min_runtime_s=p.min_runtime_s,
-        max_evictions_per_min=p.max_evictions_per_min,
-    )
+    return ControllerLimits.from_settings(settings.preemption, settings.ingest.stale_after_s)
 
 
 async def build(rt: ServiceRuntime) -> None:

@@ -25,6 +25,7 @@ from gpusched.domain.elastic import (
     least_lost_work_first,
 )
 from gpusched.domain.inventory import GpuRef
+from gpusched.infra.settings import PreemptionSettings
 from gpusched.preemption.signals import (
     HeldSignals,
     PoolFigures,
@@ -70,6 +71,32 @@ class ControllerLimits:
     # How victims of one priority tier are ranked (a replay swaps it to measure what
     # ranking by lost work is worth).
     victim_order: VictimOrder = least_lost_work_first
+
+    @classmethod
+    def from_settings(cls, p: PreemptionSettings, max_reading_age_s: float) -> ControllerLimits:
+        """The limits of a preemption settings section; ``max_reading_age_s``: ingest's
+        staleness (a snapshot older than that is not acted on)."""
+        return cls(
+            # Refuses thresholds outside 0 < shrink_below < target < expand_above.
+            thresholds=ElasticThresholds(
+                expand_above=p.expand_above,
+                target=p.target,
+                shrink_below=p.shrink_below,
+                shared_below=p.shared_below,
+            ),
+            cooldown_s=p.cooldown_s,
+            max_reading_age_s=max_reading_age_s,
+            signals=SignalLimits(
+                expand_hold_s=p.expand_hold_s,
+                shrink_hold_s=p.shrink_hold_s,
+                slo_ms=dict(p.slo_ms),
+                slo_fraction=p.slo_fraction,
+                queue_above=p.queue_above,
+            ),
+            min_lend_s=p.min_lend_s,
+            min_runtime_s=p.min_runtime_s,
+            max_evictions_per_min=p.max_evictions_per_min,
+        )
 
 
 @dataclass(frozen=True, slots=True)

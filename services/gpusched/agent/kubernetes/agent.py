@@ -41,7 +41,6 @@ from gpusched.agent.reports import Reports, Stopped
 from gpusched.agent.workloads import mps_environment, without_credentials
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
-    AgentReady,
     AllocationGranted,
     AllocationReleased,
     AuditRecord,
@@ -1121,21 +1120,7 @@ class KubernetesAgent:
 
     async def announce(self) -> None:
         nodes = sorted(set(self.observed_nodes()) & set(self._admission))
-        ready = AgentReady(
-            agent_id=self.agent_id, nodes=nodes, running=self.running(), time=self._now()
-        )
-        log.info(
-            "agent %s ready: %d node(s), %d allocation(s) running",
-            self.agent_id,
-            len(ready.nodes),
-            len(ready.running),
-        )
-        await self._publisher.publish(
-            self._s.event("agent", T.AGENT_READY),
-            T.AGENT_READY,
-            ready,
-            correlation_id=self.agent_id,
-        )
+        await self._reports.ready(self.agent_id, nodes, self.running())
 
     async def close(self) -> None:
         """Pods keep running without the agent (the kubelet runs them): nothing to stop."""
