@@ -83,11 +83,17 @@ async def test_spans_reach_an_otlp_receiver_with_messaging_conventions_and_one_t
     assert applied.attributes["messaging.consumer.group.name"] == "agent-commands"
     assert applied.attributes["messaging.message.conversation_id"] == reply.job_id
     message_id = applied.attributes["messaging.message.id"]
-    [created] = [
-        s
-        for s in receiver.spans
-        if s.kind == "PRODUCER" and s.attributes.get("messaging.message.id") == message_id
-    ]
+    # Each service exports its spans in its own batches: admission's may come later.
+    [created] = await eventually(
+        lambda: _async(
+            [
+                s
+                for s in receiver.spans
+                if s.kind == "PRODUCER" and s.attributes.get("messaging.message.id") == message_id
+            ]
+        ),
+        within=30,
+    )
     assert created.service == "admission"
     assert created.name == f"create {start_subject}"
     assert created.attributes["messaging.system"] == "nats"
