@@ -139,6 +139,13 @@ class UnitOfWork:
         await self._conn.begin()
         return self
 
+    async def snapshot(self) -> None:
+        """Make this a read-only transaction that sees one snapshot: every statement
+        reads the database as of the first (PostgreSQL's default shows each statement
+        what was committed before it, so a view read in several statements could mix a
+        job row from before a pass with allocation rows from after it). Call it first."""
+        await self.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

@@ -114,6 +114,7 @@ class JobsApi:
         if isinstance(request, Invalid):
             return GetReply(ok=False, error=request.error())
         async with self._uow() as uow:
+            await uow.snapshot()  # the job, its allocations and reservation as of one moment
             try:
                 job = await store.job(uow, request.job_id)
             except store.UnreadableJob:

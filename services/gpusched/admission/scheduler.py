@@ -321,8 +321,12 @@ class Scheduler:
         started_at = time.perf_counter()
         async with self._uow() as uow:
             ledger = await self._keeper.hold(uow)
+            # The version this pass writes, read now: once it commits, the next holder
+            # (a release waiting on the lock) may bump the shared keeper before this
+            # coroutine runs again, and that version is not one this pass planned on.
+            held = self._keeper.version
             # The version committed before this hold: did anyone change the ledger since?
-            unchanged = self._settled is not None and self._keeper.version - 1 == self._settled
+            unchanged = self._settled is not None and held - 1 == self._settled
             # Another replica may have added or removed a node since this one last looked.
             self._catalog.follow(self._keeper.inventory)
             now = self._clock()
@@ -362,7 +366,7 @@ class Scheduler:
             if outcome is not None:
                 await self._write(uow, ledger, outcome, now)
             await uow.commit()
-        self._settled = self._keeper.version
+        self._settled = held
         self._checked_at = now
         if outcome is None:
             return 0
