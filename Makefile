@@ -30,7 +30,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy libs/gpusched services/gpusched
 
 test: $(STAMP) system-tools test-tools lint typecheck
-	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=25
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow

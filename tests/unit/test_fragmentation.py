@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,9 +186,26 @@ def test_refreshing_a_changed_node_gives_the_fragment_computed_afresh() -> None:
 # --- model scarcity ---------------------------------------------------------------------------
 
 
-def cluster(*nodes: tuple[str, str, int]) -> tuple[NodeTable, np.typing.NDArray[np.int64]]:
+def cluster(*nodes: tuple[str, str, int]) -> tuple[NodeTable, np.typing.NDArray[np.float64]]:
+    """The table of ``nodes`` and its unallocated compute per GPU model."""
     table = NodeTable(list(nodes))
-    return table, table.unallocated()
+    return table, Fragmentation(table, PodTypes([(WHOLE_POD, 1.0)])).free_by_model
+
+
+@pytest.mark.parametrize("changed", [[2], [0, 2, 3, 5, 6, 7]], ids=["one-node", "many-nodes"])
+def test_the_free_compute_per_model_follows_the_nodes_a_refresh_recomputes(
+    changed: list[int],
+) -> None:
+    table = NodeTable([(f"n{i}", ("T4", "P100", "V100M16")[i % 3], 4) for i in range(8)])
+    frag = Fragmentation(table, PodTypes([(WHOLE_POD, 0.5), (HALF_POD, 0.5)]))
+    before = frag.free_by_model.tolist()
+    for row in changed:
+        table.left[row] = [0, 250, WHOLE, 999] if row % 2 else [-1, -1, 0, 0]
+    frag.refresh(changed)
+
+    by_model = np.bincount(table.model, weights=np.maximum(table.left, 0).sum(axis=1))
+    assert frag.free_by_model.tolist() == by_model.tolist()
+    assert frag.free_by_model.tolist() != before
 
 
 def test_without_constrained_demand_every_model_is_as_pressed_as_the_average() -> None:

@@ -184,11 +184,11 @@ def _accepts(model_names: tuple[str, ...], specs: tuple[tuple[str, ...], ...]) -
 
 
 def model_pressure(
-    table: NodeTable, demand: Sequence[tuple[tuple[str, ...], float]], unallocated: Ints
+    table: NodeTable, demand: Sequence[tuple[tuple[str, ...], float]], free: Floats
 ) -> Floats:
     """Per node, the pressure on its GPU model over the cluster's average (see the
-    module docstring): 1 everywhere while no demand is constrained."""
-    free = np.bincount(table.model, weights=unallocated, minlength=len(table.model_names))
+    module docstring): 1 everywhere while no demand is constrained. ``free``: the
+    unallocated compute per model (``Fragmentation.free_by_model``)."""
     total_free = float(free.sum())
     if not total_free or not any(models for models, _ in demand):
         return np.ones(len(table), dtype=np.float64)
@@ -235,6 +235,10 @@ class Fragmentation:
         self.count: Ints = (left >= milli).sum(axis=2)
         self.part: Ints = np.where((left >= 0) & (left < milli), left, 0).sum(axis=2)
         self.unallocated: Ints = table.unallocated()
+        # The unallocated compute per GPU model, kept with ``unallocated``.
+        self.free_by_model: Floats = np.bincount(
+            table.model, weights=self.unallocated, minlength=len(table.model_names)
+        ).astype(np.float64)
         everyone = np.arange(len(table))
         self.value: Floats = self.after(
             everyone, self.count, self.part, self.unallocated, table.cpu, table.memory
@@ -268,7 +272,9 @@ class Fragmentation:
         milli = self.types.milli[:, None, None]
         self.count[:, changed] = (left >= milli).sum(axis=2)
         self.part[:, changed] = np.where((left >= 0) & (left < milli), left, 0).sum(axis=2)
+        before = self.unallocated[changed]
         self.unallocated[changed] = np.maximum(table.left[changed], 0).sum(axis=1)
+        np.add.at(self.free_by_model, table.model[changed], self.unallocated[changed] - before)
         self.value[changed] = self.after(
             changed,
             self.count[:, changed],
@@ -292,6 +298,7 @@ class Fragmentation:
         unallocated = sum(lefts)
         self.count[:, row] = counts
         self.part[:, row] = parts
+        self.free_by_model[table.model[row]] += unallocated - int(self.unallocated[row])
         self.unallocated[row] = unallocated
         self.value[row] = self._expected(
             row, counts, parts, unallocated, int(table.cpu[row]), int(table.memory[row])

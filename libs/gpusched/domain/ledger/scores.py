@@ -185,11 +185,14 @@ class Scores:
         def compute(rows: Ints) -> None:
             if len(rows) <= _ONE_BY_ONE:
                 # A node or two changed since: plain Python beats numpy's per-call cost.
-                growth = np.array(
-                    [frag.growth_whole_one(row, gpus, cpu, memory) for row in rows.tolist()]
-                )
-            else:
-                growth = frag.growth_whole(rows, gpus, cpu, memory)
+                kept.score[rows] = [
+                    self._terms_one(
+                        frag, row, frag.growth_whole_one(row, gpus, cpu, memory), gpus * WHOLE, cpu
+                    )
+                    for row in rows.tolist()
+                ]
+                return
+            growth = frag.growth_whole(rows, gpus, cpu, memory)
             kept.score[rows] = self._terms(frag, rows, growth, gpus * WHOLE, cpu)
 
         return self._update(kept, compute).score
@@ -239,7 +242,7 @@ class Scores:
         while no recent request was constrained to some models)."""
         if not self.weights.scarcity or not gpu_milli or not demand.constrained:
             return 0.0
-        pressure = model_pressure(self.table, demand.shares(), frag.unallocated)
+        pressure = model_pressure(self.table, demand.shares(), frag.free_by_model)
         cost: Floats = self.weights.scarcity * gpu_milli * pressure
         return cost
 
@@ -249,7 +252,7 @@ class Scores:
         table = self.table
         if not demand.constrained:
             return dict.fromkeys(table.model_names, 1.0)
-        per_node = model_pressure(table, demand.shares(), frag.unallocated)
+        per_node = model_pressure(table, demand.shares(), frag.free_by_model)
         pairs = zip(table.model.tolist(), per_node.tolist(), strict=True)
         return {table.model_names[model]: pressure for model, pressure in pairs}
 
@@ -297,6 +300,26 @@ class Scores:
             before = np.abs(cpu_before / per_gpu - (gpu_after + gpu_milli) / WHOLE)
             after = np.abs(cpu_after / per_gpu - gpu_after / WHOLE)
             score += np.where(limited, weights.balance * WHOLE * (after - before), 0.0)
+        return score
+
+    def _terms_one(
+        self, frag: Fragmentation, row: int, growth: float, gpu_milli: int, cpu: int
+    ) -> float:
+        """``_terms`` of one node in plain Python, the same operations in the same order
+        (so the same number to the last bit)."""
+        weights = self.weights
+        gpu_after = int(frag.unallocated[row]) - gpu_milli
+        host_cpu = int(self.table.cpu[row])
+        limited = host_cpu < UNLIMITED
+        cpu_after = host_cpu - cpu if limited else 0
+        score = float(growth)
+        if weights.fit and self.max_cpu:
+            score += weights.fit * (0.5 * cpu_after / self.max_cpu + 0.5 * gpu_after / self.max_gpu)
+        per_gpu = frag.types.cpu_per_gpu
+        if weights.balance and per_gpu and limited:
+            before = abs(host_cpu / per_gpu - (gpu_after + gpu_milli) / WHOLE)
+            after = abs(cpu_after / per_gpu - gpu_after / WHOLE)
+            score += weights.balance * WHOLE * (after - before)
         return score
 
 
