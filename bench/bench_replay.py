@@ -69,6 +69,11 @@ async def run(ctx: Context) -> list[Figure]:
                _get(static, "inference", "slo_request_share")),
         Figure(NAME, "goodput_gpu_h_vs_static", _get(ours, "training", "goodput_gpu_h"),
                "GPU-h", _get(static, "training", "goodput_gpu_h")),
+        # What any policy could give training at most (sizing's training_ceiling_gpu_h)
+        # beside the static split's goodput: the ratio bounds the goodput goal.
+        Figure(NAME, "goodput_ceiling_gpu_h_vs_static",
+               float(str(prepared.sizing["training_ceiling_gpu_h"])), "GPU-h",
+               _get(static, "training", "goodput_gpu_h")),
         Figure(NAME, "queuing_mean_h_vs_static", _get(ours, "training", "queuing", "mean_h"),
                "h", _get(static, "training", "queuing", "mean_h")),
         Figure(NAME, "jct_mean_h_vs_static", _get(ours, "training", "jct", "mean_h"), "h",

@@ -16,7 +16,7 @@ from gpusched.domain.pricing import PriceBook
 from gpusched.replay import pools, report
 from gpusched.replay.demand import DemandCurve, DemandParams
 from gpusched.replay.engine import EngineParams, replay
-from gpusched.replay.experiment import Comparison, Experiment, Prepared
+from gpusched.replay.experiment import Comparison, Experiment, Prepared, training_ceiling_gpu_h
 from gpusched.replay.metrics import RunResult
 from gpusched.replay.policies import Kind, Policy, ablations, default_limits, kubernetes
 from gpusched.replay.workload import UserRow, Workload, from_user_rows
@@ -169,3 +169,15 @@ def test_the_summary_is_json_without_nan_and_the_goals_compare_with_the_baseline
 def test_an_engine_refuses_a_horizon_that_is_not_a_number() -> None:
     with pytest.raises(ValueError, match="horizon_s"):
         replace(PARAMS, horizon_s=float("nan"))
+
+
+def test_the_training_ceiling_is_every_gpu_inference_does_not_need_for_its_slo() -> None:
+    params = EngineParams(horizon_s=3 * 3600.0)
+    rho = params.latency.highest_rho(params.slo_ms)
+    assert params.latency.p99_ms(rho) == pytest.approx(params.slo_ms)
+    # An hour idle, an hour needing 10 GPUs at that utilization, an hour needing all 20
+    # (whole GPUs: 9.9 GPUs of work at it need 10).
+    demand = DemandCurve.of([0.0, 9.9 * rho, 19.9 * rho], step_s=3600.0)
+
+    assert training_ceiling_gpu_h(20, demand, params.horizon_s, params) == pytest.approx(30.0)
+    assert params.latency.highest_rho(0.0) == 0.0

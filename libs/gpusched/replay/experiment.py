@@ -201,6 +201,7 @@ def prepare(experiment: Experiment) -> Prepared:
             )
         policies = tuple(p for p in policies if p.name in experiment.only)
     offered = workload.offered_gpus()
+    params = EngineParams(horizon_s=horizon, decide_every_s=experiment.decide_every_s)
     sizing = {
         "cluster_gpus": total,
         "cluster_nodes": len(cluster.nodes),
@@ -213,9 +214,10 @@ def prepare(experiment: Experiment) -> Prepared:
         "demand_p95_daily_peak_history": round(percentile(daily_peaks(history), 95), 2),
         "surges": len(demand.surges),
         "horizon_h": round(horizon / 3600, 2),
+        "static_training_capacity_gpu_h": round((total - static_inference) * horizon / 3600, 1),
+        "training_ceiling_gpu_h": round(training_ceiling_gpu_h(total, demand, horizon, params), 1),
     }
     book = traces.read_price_book(experiment.price_book)
-    params = EngineParams(horizon_s=horizon, decide_every_s=experiment.decide_every_s)
     return Prepared(experiment, cluster, workload, demand, params, policies, book, sizing)
 
 
@@ -245,6 +247,21 @@ def run(prepared: Prepared, progress: Callable[[str, float], None] | None = None
         seconds[policy.name] = time.perf_counter() - started
         cpu[policy.name] = time.process_time() - cpu_started
     return Comparison(prepared, results, seconds, cpu)
+
+
+def training_ceiling_gpu_h(
+    cluster_gpus: int, demand: DemandCurve, horizon_s: float, params: EngineParams
+) -> float:
+    """The most GPU-hours any policy could give training: at every step of the demand
+    curve, every GPU that inference does not need to meet its SLO (the demand over the
+    highest utilization within it, in whole GPUs), packed without a gap. A policy that
+    keeps headroom, packs fractions imperfectly or loses work gets less."""
+    rho = params.latency.highest_rho(params.slo_ms)
+    steps = int(horizon_s // demand.step_s)
+    free = sum(
+        max(0, cluster_gpus - math.ceil(demand.at(i * demand.step_s) / rho)) for i in range(steps)
+    )
+    return free * demand.step_s / 3600
 
 
 def _teller(progress: Callable[[str, float], None], name: str) -> Callable[[float], None]:

@@ -60,6 +60,11 @@ class LatencyModel:
     def p50_ms(self, rho: float) -> float:
         return self._response_ms(rho, _P50_FACTOR)
 
+    def highest_rho(self, p99_ms: float) -> float:
+        """The highest utilization whose p99 is within ``p99_ms`` (0 if none is)."""
+        rho = 1.0 - self.service_ms * _P99_FACTOR / p99_ms if p99_ms > 0 else 0.0
+        return min(max(rho, 0.0), self.max_rho)
+
     def queue_depth(self, rho: float, serving_gpus: int) -> int:
         """Mean requests in the system, rho / (1 - rho) per GPU; capped when overloaded."""
         capped = min(rho, self.max_rho)
