@@ -181,3 +181,5 @@ def test_the_training_ceiling_is_every_gpu_inference_does_not_need_for_its_slo()
 
     assert training_ceiling_gpu_h(20, demand, params.horizon_s, params) == pytest.approx(30.0)
     assert params.latency.highest_rho(0.0) == 0.0
+    unreachable = replace(params, slo_ms=1.0)  # below the service time itself
+    assert training_ceiling_gpu_h(20, demand, params.horizon_s, unreachable) == 0.0

@@ -257,6 +257,8 @@ def training_ceiling_gpu_h(
     highest utilization within it, in whole GPUs), packed without a gap. A policy that
     keeps headroom, packs fractions imperfectly or loses work gets less."""
     rho = params.latency.highest_rho(params.slo_ms)
+    if rho <= 0:
+        return 0.0  # no utilization meets the SLO: inference would need every GPU
     steps = int(horizon_s // demand.step_s)
     free = sum(
         max(0, cluster_gpus - math.ceil(demand.at(i * demand.step_s) / rho)) for i in range(steps)
