@@ -123,6 +123,18 @@ def test_a_user_csv_is_read_and_bad_values_are_named(tmp_path: Path) -> None:
         with pytest.raises(traces.TraceError, match=words):
             traces.read_user_csv(bad)
 
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"name,arrival_s,gpus,run_s,class\nx,0,1,1,p1-normal\n\xff\xfe\n")
+    with pytest.raises(traces.TraceError, match=r"binary.csv: not UTF-8 text \(byte 0xff"):
+        traces.read_user_csv(binary)
+    huge = tmp_path / "huge.csv"
+    huge.write_text("name,arrival_s,gpus,run_s,class\n" + "x" * 200_000 + ",0,1,1,p1-normal\n")
+    with pytest.raises(traces.TraceError, match=r"huge.csv: not a CSV file \(field larger"):
+        traces.read_user_csv(huge)
+    for reader in (traces.read_inventory, traces.read_price_book):
+        with pytest.raises(traces.TraceError, match=r"binary.csv: not UTF-8 text"):
+            reader(binary)
+
 
 def test_a_missing_traces_folder_says_how_to_get_the_traces(tmp_path: Path) -> None:
     with pytest.raises(traces.TraceError, match=r"README\.md 'Cluster traces'"):

@@ -76,15 +76,27 @@ def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
     with handle:
-        reader = csv.DictReader(handle)
-        header = [column.strip() for column in reader.fieldnames or []]
-        missing = [column for column in required if column not in header]
-        if missing:
-            raise TraceError(f"{path.name}: missing column(s) {', '.join(missing)}")
-        reader.fieldnames = header
-        for line, row in enumerate(reader, start=2):
-            if any((value or "").strip() for value in row.values()):
-                yield line, {key: (value or "").strip() for key, value in row.items() if key}
+        try:
+            reader = csv.DictReader(handle)
+            header = [column.strip() for column in reader.fieldnames or []]
+            missing = [column for column in required if column not in header]
+            if missing:
+                raise TraceError(f"{path.name}: missing column(s) {', '.join(missing)}")
+            reader.fieldnames = header
+            for line, row in enumerate(reader, start=2):
+                if any((value or "").strip() for value in row.values()):
+                    yield line, {key: (value or "").strip() for key, value in row.items() if key}
+        except UnicodeDecodeError as exc:
+            raise TraceError(_not_text(path, exc)) from None
+        except csv.Error as exc:
+            raise TraceError(f"{path.name}: not a CSV file ({exc})") from None
+
+
+def _not_text(path: Path, exc: UnicodeDecodeError) -> str:
+    return (
+        f"{path.name}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+        f"{exc.start}): give a text file saved as UTF-8"
+    )
 
 
 def _number(
@@ -216,6 +228,8 @@ def read_inventory(path: Path) -> Inventory:
         return parse_inventory(data if isinstance(data, dict) else {})
     except OSError as exc:
         raise TraceError(f"cannot read the inventory {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(_not_text(path, exc)) from None
     except (yaml.YAMLError, InventoryError) as exc:
         raise TraceError(f"inventory {path.name}: {exc}") from None
 
@@ -226,5 +240,7 @@ def read_price_book(path: Path) -> PriceBook:
         return PriceBook.from_mapping(data if isinstance(data, dict) else {})
     except OSError as exc:
         raise TraceError(f"cannot read the price book {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(_not_text(path, exc)) from None
     except (yaml.YAMLError, ValueError) as exc:
         raise TraceError(f"price book {path.name}: {exc}") from None
