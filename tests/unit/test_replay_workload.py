@@ -4,6 +4,7 @@ jobs and services, the user's CSV, the demand curve, and the pools of each polic
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from gpusched.domain.inventory import Pool, parse_inventory
 from gpusched.domain.ledger import PriorityClass
 from gpusched.replay import pools, traces
 from gpusched.replay.demand import DemandCurve, DemandParams, daily_peaks, diurnal
+from gpusched.replay.experiment import Experiment, prepare
 from gpusched.replay.workload import (
     CheckpointParams,
     TracePod,
@@ -194,5 +196,23 @@ def test_a_sample_keeps_the_mix_of_models_and_node_sizes() -> None:
     half = pools.sample(INVENTORY, 0.5)
 
     assert [n.name for n in half.nodes] == ["a-00", "a-02", "a-04", "b-00", "b-02"]
-    with pytest.raises(ValueError, match="leaves none"):
-        pools.sample(INVENTORY, 0.01)
+    assert pools.sample(INVENTORY, 0.01).nodes == ()
+    # One node of the most common kind (6 T4 nodes); 1/6 of the 4 P100 nodes rounds to 1.
+    assert pools.smallest_share(INVENTORY) == pytest.approx(1 / 6)
+    assert [n.name for n in pools.sample(INVENTORY, 1 / 6).nodes] == ["a-00", "b-00"]
+
+
+def test_a_workload_too_small_for_any_node_says_what_to_give(tmp_path: Path) -> None:
+    nodes = tmp_path / "traces" / "alibaba-gpu-v2023" / "openb_node_list_gpu_node.csv"
+    nodes.parent.mkdir(parents=True)
+    nodes.write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\n"
+        + "".join(f"n-{i},64000,262144,8,T4\n" for i in range(40))
+    )
+    tiny = tmp_path / "tiny.csv"
+    tiny.write_text("name,arrival_s,gpus,run_s,class\nx,0,1,100,p2-offline\n")
+
+    experiment = Experiment(traces_dir=tmp_path / "traces", csv=tiny)
+    with pytest.raises(traces.TraceError, match=r"keeps none.*--node-share 0.025 or more"):
+        prepare(experiment)
+    assert prepare(replace(experiment, node_share=0.025)).inventory.total_gpus == 8

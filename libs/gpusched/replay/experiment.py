@@ -132,6 +132,12 @@ def prepare(experiment: Experiment) -> Prepared:
         full = traces.read_openb_nodes(files.nodes)
         share = experiment.node_share or _node_share(full, workload, experiment.load)
     cluster = pools.sample(full, share) if share < 1 else full
+    if not cluster.nodes:
+        raise traces.TraceError(
+            f"a share of {share:.2g} of the {len(full.nodes)} openb nodes keeps none: the "
+            "workload asks too few GPUs to size a cluster by --load. Give your cluster with "
+            f"--inventory, or --node-share {pools.smallest_share(full):.2g} or more"
+        )
     total = cluster.total_gpus
     static_gpus = round(STATIC_SHARE * total)
     static = pools.split(cluster, static_gpus)

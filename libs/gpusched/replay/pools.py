@@ -13,25 +13,35 @@ from dataclasses import replace
 
 from gpusched.domain.inventory import Inventory, NodeSpec, Pool
 
-__all__ = ["pool_gpus", "sample", "split"]
+__all__ = ["pool_gpus", "sample", "smallest_share", "split"]
 
 
 def sample(inventory: Inventory, share: float) -> Inventory:
-    """About ``share`` of the nodes of each (GPU model, GPUs per node) kind, in order."""
+    """About ``share`` of the nodes of each (GPU model, GPUs per node) kind, in order
+    (none at all when the share is too small for any kind: see ``smallest_share``)."""
     if not 0 < share <= 1:
         raise ValueError(f"the share of nodes kept must be within (0, 1], got {share}")
-    kinds: dict[tuple[str, int], list[NodeSpec]] = defaultdict(list)
-    for node in inventory.nodes:
-        kinds[(node.gpus[0].model, len(node.gpus))].append(node)
     kept: list[NodeSpec] = []
-    for nodes in kinds.values():
+    for nodes in _kinds(inventory).values():
         wanted = round(len(nodes) * share)
         # Spread over the kind's list (every k-th node), not its first few.
         kept.extend(nodes[int(i * len(nodes) / wanted)] for i in range(wanted))
-    if not kept:
-        raise ValueError(f"keeping {share} of the nodes leaves none")
     order = {node.name: i for i, node in enumerate(inventory.nodes)}
     return Inventory(tuple(sorted(kept, key=lambda node: order[node.name])))
+
+
+def smallest_share(inventory: Inventory) -> float:
+    """A share for which ``sample`` keeps one node of the most common kind: its whole
+    share (half of it would round to even, i.e. to none)."""
+    most = max((len(nodes) for nodes in _kinds(inventory).values()), default=0)
+    return 1.0 if most == 0 else 1 / most
+
+
+def _kinds(inventory: Inventory) -> dict[tuple[str, int], list[NodeSpec]]:
+    kinds: dict[tuple[str, int], list[NodeSpec]] = defaultdict(list)
+    for node in inventory.nodes:
+        kinds[(node.gpus[0].model, len(node.gpus))].append(node)
+    return kinds
 
 
 def split(inventory: Inventory, inference_gpus: int) -> Inventory:
