@@ -94,6 +94,8 @@ def test_the_documented_overrides_are_accepted(changes: dict[str, Any]) -> None:
         ({"services.admission.replicas": -1}, "replicas"),
         ({"image.digest": "latest"}, "digest"),
         ({"nats.url": "http://nats:4222"}, "url"),
+        ({"nats.streamReplicas": 0}, "streamReplicas"),
+        ({"nats.streamReplicas": "3"}, "streamReplicas"),
         ({"metrics.port": 80}, "port"),
         ({"extraEnv": {"PATH": "/tmp"}}, "extraEnv"),
         ({"database.urlSecret": ""}, "urlSecret"),

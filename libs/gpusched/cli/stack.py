@@ -39,6 +39,7 @@ from typing import TextIO
 import aiohttp
 
 from gpusched.cli.client import check_postgres, connect_nats
+from gpusched.cli.errors import NotConfigured
 from gpusched.cli.stackfile import (
     StackFile,
     StackFileError,
@@ -148,6 +149,8 @@ async def prepare(
             Subjects(settings.subject_prefix).streams(),
             replicas=settings.bus.stream_replicas,
         )
+    except bus.StreamReplicasRefused as exc:
+        raise NotConfigured(str(exc)) from None
     finally:
         await nc.close()
     engine = create_engine(db_url, pool_size=1, tls=database_tls)

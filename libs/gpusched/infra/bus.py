@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -114,6 +115,16 @@ async def connect(
     return nc
 
 
+# JetStream's answers when it cannot keep the replicas asked: a server outside a cluster
+# (replicas > 1 not supported in non-clustered mode), too few servers in the cluster for
+# the replicas (no suitable peers for placement), or too few resources left on them.
+_REPLICAS_REFUSED: Final = frozenset({10074, 10005, 10023})
+
+
+class StreamReplicasRefused(RuntimeError):
+    """NATS cannot keep a stream with as many replicas as GPUSCHED_BUS__STREAM_REPLICAS."""
+
+
 async def ensure_streams(
     js: JetStreamContext, specs: Sequence[StreamSpec], *, replicas: int = 1
 ) -> None:
@@ -121,7 +132,22 @@ async def ensure_streams(
 
     A stream that exists as specified is only looked at: the services may read stream
     info but only the installer (`gpusched up`/`migrate`) may create or change a stream,
-    so a service never needs the permission unless the streams are missing or stale."""
+    so a service never needs the permission unless the streams are missing or stale.
+    `replicas`: each stream's replica count on a NATS cluster (3 keeps every message
+    through the loss of one server); StreamReplicasRefused when NATS cannot keep them."""
+    try:
+        await _ensure_streams(js, specs, replicas)
+    except nats.js.errors.APIError as exc:
+        if exc.err_code not in _REPLICAS_REFUSED or replicas == 1:
+            raise
+        raise StreamReplicasRefused(
+            f"NATS cannot keep {replicas} replicas of each stream ({exc.description}): set "
+            "GPUSCHED_BUS__STREAM_REPLICAS to at most the number of JetStream servers in "
+            "the NATS cluster (1 for a single server)"
+        ) from None
+
+
+async def _ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec], replicas: int) -> None:
     for spec in specs:
         transform = None if spec.transform is None else SubjectTransform(*spec.transform)
         config = StreamConfig(
