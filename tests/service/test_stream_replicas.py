@@ -147,14 +147,21 @@ async def test_streams_kept_on_three_servers_lose_nothing_when_one_is_killed(
     cluster: Cluster, nc: NatsClient
 ) -> None:
     subjects = Subjects(f"t{uuid.uuid4().hex[:8]}")
-    await _ensure(nc, subjects, 3)
     js = nc.jetstream()
     name = subjects.stream("EVENTS")
+    subject = subjects.event("checkpoint", "eviction.completed")
+    # Installed with one replica, then raised to three in place (the next `migrate`).
+    await _ensure(nc, subjects, 1)
+    assert (await js.publish(subject, b"before-0")).seq == 1
+    await _ensure(nc, subjects, 3)
 
     async def led() -> StreamInfo | None:
-        # A new replicated stream elects its own leader before it takes messages.
+        # A replicated stream elects its own leader, and new replicas catch up with it.
         info = await js.stream_info(name)
-        return info if info.cluster is not None and info.cluster.leader else None
+        cluster = info.cluster
+        if cluster is None or not cluster.leader or len(cluster.replicas or []) != SERVERS - 1:
+            return None
+        return info if all(peer.current for peer in cluster.replicas or []) else None
 
     info = await eventually(led, within=30)
     assert info.config.num_replicas == 3
@@ -163,9 +170,8 @@ async def test_streams_kept_on_three_servers_lose_nothing_when_one_is_killed(
     # Applied again (every service start does), the same replicas change nothing.
     await bus.ensure_streams(js, subjects.streams(), replicas=3)
 
-    subject = subjects.event("checkpoint", "eviction.completed")
-    before = [(await js.publish(subject, f"before-{i}".encode())).seq for i in range(20)]
-    assert before == list(range(1, 21))
+    before = [(await js.publish(subject, f"before-{i}".encode())).seq for i in range(1, 20)]
+    assert before == list(range(2, 21))
 
     # SIGKILL the server that leads the stream: the other two elect a new leader and
     # keep every acknowledged message.

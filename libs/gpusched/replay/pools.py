@@ -31,8 +31,8 @@ def sample(inventory: Inventory, share: float) -> Inventory:
 
 
 def smallest_share(inventory: Inventory) -> float:
-    """A share for which ``sample`` keeps one node of the most common kind: its whole
-    share (half of it would round to even, i.e. to none)."""
+    """A share for which ``sample`` keeps a node: 1/n for the n nodes of the most common
+    kind (0.5/n would round half to even, i.e. to none)."""
     most = max((len(nodes) for nodes in _kinds(inventory).values()), default=0)
     return 1.0 if most == 0 else 1 / most
 
