@@ -158,10 +158,10 @@ async def test_streams_kept_on_three_servers_lose_nothing_when_one_is_killed(
     async def led() -> StreamInfo | None:
         # A replicated stream elects its own leader, and new replicas catch up with it.
         info = await js.stream_info(name)
-        cluster = info.cluster
-        if cluster is None or not cluster.leader or len(cluster.replicas or []) != SERVERS - 1:
+        kept = info.cluster
+        if kept is None or not kept.leader or len(kept.replicas or []) != SERVERS - 1:
             return None
-        return info if all(peer.current for peer in cluster.replicas or []) else None
+        return info if all(peer.current for peer in kept.replicas or []) else None
 
     info = await eventually(led, within=30)
     assert info.config.num_replicas == 3
