@@ -191,10 +191,15 @@ async def test_streams_kept_on_three_servers_lose_nothing_when_one_is_killed(
     await eventually(published_while_down, within=60)
     after = await js.stream_info(name)
     assert after.cluster is not None and after.cluster.leader != info.cluster.leader
-    reader = await js.pull_subscribe(subject, durable=None, stream=name)
-    read: list[bytes] = []
-    while len(read) < 21:
-        read += [m.data for m in await reader.fetch(50, timeout=5)]
+
+    async def stored() -> list[bytes] | None:
+        # Read by sequence from the stream itself; a message it lost is NotFoundError.
+        try:
+            return [(await js.get_msg(name, seq)).data or b"" for seq in range(1, 22)]
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+            return None  # the new leader still settling
+
+    read = await eventually(stored, within=30)
     assert read[:20] == [f"before-{i}".encode() for i in range(20)]
     assert read[20] == b"after"
 
