@@ -100,3 +100,24 @@ def test_a_bad_csv_is_one_line_naming_the_row(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "gpusched: bad.csv line 2: arrival_s must be a finite number >= 0, got 'Infinity'"
     ]
+
+
+@pytest.mark.parametrize("option", ["--html", "--json"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_replay(
+    tmp_path: Path, option: str
+) -> None:
+    csv, inventory = month(tmp_path)
+    target = tmp_path / "no-such-dir" / "out"
+
+    done = gpusched(
+        "replay", "--csv", str(csv), "--inventory", str(inventory), option, str(target),
+        cwd=REPO,
+    )  # fmt: skip
+
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"gpusched: cannot write {target}: No such file or directory"
+    ]
+    # Refused up front: no policy was replayed (the progress bar never started).
+    assert "static split" not in done.stderr + done.stdout
+    assert not target.parent.exists()

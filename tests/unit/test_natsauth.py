@@ -78,3 +78,20 @@ def test_no_service_may_write_commands_it_does_not_send_or_another_services_even
         assert "gp.>" not in publish and ">" not in publish
     _, agent_publish, _ = service_permissions(s, "agent")
     assert not [p for p in agent_publish if p.startswith("gp.cmd.")]
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e300, 0.0, -5.0])
+def test_a_lifetime_that_is_not_a_usable_number_of_seconds_mints_nothing(ttl: float) -> None:
+    with pytest.raises(natsauth.AuthError, match="lifetime must be more than 0"):
+        natsauth.Identity("team.lab", ttl_s=ttl)
+
+
+def test_the_longest_lifetime_is_minted_with_its_expiry(tmp_path: Path) -> None:
+    identity = natsauth.Identity("team.lab", ttl_s=natsauth.MAX_TTL_S)
+    issuer = natsauth.AuthBundle.create(tmp_path).client_issuer()
+
+    creds = issuer.creds(identity)
+
+    token = creds.split("-----BEGIN NATS USER JWT-----\n")[1].split("\n")[0]
+    claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+    assert claims["exp"] - claims["iat"] == int(natsauth.MAX_TTL_S)

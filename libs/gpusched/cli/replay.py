@@ -65,6 +65,10 @@ def replay(
 
     settings = load_settings()
     root = traces if traces is not None else settings.traces_dir
+    for out in (json_out, html):
+        if out is not None:
+            # Said now, not after minutes of replay.
+            _check_writable(out)
     if csv is None:
         # Before the heavy imports: a missing folder is said at once.
         try:
@@ -94,6 +98,19 @@ def replay(
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     return _show(comparison, fmt, html, json_out)
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an output file that cannot be written; one that is created to find out
+    is removed again (nothing is left behind if the replay then fails)."""
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def _run(experiment: Experiment, *, quiet: bool) -> Comparison:

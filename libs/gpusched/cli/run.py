@@ -49,7 +49,9 @@ def up(
     log_dir: Annotated[
         Path | None, typer.Option(help="write each service's output to LOG_DIR/<service>.log")
     ] = None,
-    ready_timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 180.0,
+    ready_timeout: Annotated[
+        float, typer.Option(help="seconds to wait for readiness", min=1, max=86400)
+    ] = 180.0,
 ) -> int:
     import asyncio
 

@@ -64,6 +64,10 @@ JOB_ROLE = "job"
 NODE_ROLE = "node"
 
 
+# The longest lifetime credentials may be minted with (10 years).
+MAX_TTL_S = 10 * 365 * 86400.0
+
+
 class AuthError(RuntimeError):
     """A credentials bundle is missing, unreadable or inconsistent; the message says
     which file and what to do."""
@@ -154,6 +158,16 @@ class Identity:
     permissions: Permissions = field(default_factory=Permissions)
     tags: Sequence[str] = ()
     ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # NaN would mint credentials with no usable expiry, Infinity would not mint at
+        # all (OverflowError), and an expiry past int64 is refused by the server.
+        ttl = self.ttl_s
+        if ttl is not None and not (ttl > 0 and ttl <= MAX_TTL_S):
+            raise AuthError(
+                f"credentials' lifetime must be more than 0 and at most {MAX_TTL_S:.0f} "
+                f"seconds (10 years), not {ttl!r}; omit it for credentials that do not expire"
+            )
 
 
 def _user_jwt(
