@@ -121,3 +121,12 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_replay(
     # Refused up front: no policy was replayed (the progress bar never started).
     assert "static split" not in done.stderr + done.stdout
     assert not target.parent.exists()
+
+
+def test_a_device_given_as_the_csv_is_refused_not_read_forever(tmp_path: Path) -> None:
+    done = gpusched("replay", "--csv", "/dev/zero", cwd=REPO)
+
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpusched: /dev/zero is not a regular file (a device?): give a file"
+    ]

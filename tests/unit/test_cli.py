@@ -98,6 +98,18 @@ def test_a_job_file_is_read_and_the_command_line_wins(tmp_path: Path) -> None:
         _job_file(tmp_path / "list.yaml")
 
 
+def test_a_job_file_that_is_a_device_binary_or_missing_is_one_line(tmp_path: Path) -> None:
+    from gpusched.cli.jobs import _job_file
+
+    with pytest.raises(BadInput, match="the job file: /dev/zero is not a regular file"):
+        _job_file(Path("/dev/zero"))  # it would be read forever
+    (tmp_path / "job.yaml").write_bytes(b"name: \xff\xfe")
+    with pytest.raises(BadInput, match="is not UTF-8 text"):
+        _job_file(tmp_path / "job.yaml")
+    with pytest.raises(BadInput, match=r"cannot read the job file .*No such file"):
+        _job_file(tmp_path / "none.yaml")
+
+
 def test_a_submit_with_a_missing_job_file_says_so_in_one_line(tmp_path: Path) -> None:
     result = _cli("submit", "-f", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2
@@ -188,6 +200,19 @@ def test_since_takes_durations_iso_times_and_all() -> None:
     for bad in ("yesterday", "-5m", "5 parsecs", ""):
         with pytest.raises(BadInput, match="--since"):
             audit.since_time(bad, now)
+
+
+def test_since_before_any_record_is_all_and_in_the_future_is_refused() -> None:
+    now = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+    # Older than 1970 (no record is): every record, not an overflow.
+    assert audit.since_time("99999999999d", now) is None
+    assert audit.since_time("0001-01-01", now) is None
+    assert audit.since_time("1969-12-31T23:00:00Z", now) is None
+    # A little ahead of this clock is clock skew, taken as given.
+    assert audit.since_time("2026-05-01T12:04:00Z", now) == now + timedelta(minutes=4)
+    for future in ("2026-05-01T12:06:00Z", "9999-12-31T23:59:59Z"):
+        with pytest.raises(BadInput, match="is in the future: give a past time"):
+            audit.since_time(future, now)
 
 
 def test_audit_filters_match_action_prefixes_jobs_and_teams() -> None:

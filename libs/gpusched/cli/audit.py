@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 QUIET_S = 1.0
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# A start this far ahead of this machine's clock is still taken as now (clock skew).
+_SKEW = timedelta(minutes=5)
 
 
 class StackGone(CliError):
@@ -44,20 +47,34 @@ def register(app: typer.Typer) -> None:
 
 
 def since_time(text: str, now: datetime) -> datetime | None:
-    """`30m`, `2h`, `7d` ago, an ISO time (`2026-05-01T12:00Z`), or `all` (None)."""
+    """`30m`, `2h`, `7d` ago, an ISO time (`2026-05-01T12:00Z`), or `all` (None).
+
+    A start before 1970 (no record is older) is `all`; a start in the future is refused:
+    no record has been written then yet, and `--follow` is how to wait for new ones."""
     if text == "all":
         return None
     match = _DURATION.fullmatch(text.strip())
     if match:
-        return now - timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+        if seconds >= (now - _EPOCH).total_seconds():
+            return None
+        return now - timedelta(seconds=seconds)
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        if when.year < _EPOCH.year:
+            return None
+        when = when if when.tzinfo is not None else when.astimezone()
+    except (ValueError, OverflowError):
         raise BadInput(
             f"invalid --since {text!r}: use a duration (30m, 2h, 7d), an ISO time "
             "(2026-05-01T12:00:00Z) or all"
         ) from None
-    return when if when.tzinfo is not None else when.astimezone()
+    if when > now + _SKEW:
+        raise BadInput(
+            f"--since {text!r} is in the future: give a past time "
+            "(--follow prints new records as they come)"
+        )
+    return when
 
 
 def matches(record: dict[str, Any], action: str | None, job: str | None, team: str | None) -> bool:

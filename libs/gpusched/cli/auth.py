@@ -133,6 +133,11 @@ def issue(
     if out is None:
         sys.stdout.write(creds)
     else:
-        natsauth.write_secret(out, creds)
+        try:
+            natsauth.write_secret(out, creds)
+        except AuthError as exc:
+            raise BadInput(str(exc)) from None
+        except OSError as exc:
+            raise BadInput(f"cannot write {out}: {exc.strerror or exc}") from None
         print(f"wrote {out}")
     return 0

@@ -165,10 +165,16 @@ def submit(
 def _job_file(path: Path) -> dict[str, Any]:
     import yaml
 
+    from gpusched.infra.textfiles import FileRefused, read_small_text
+
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = yaml.safe_load(read_small_text(path))
     except OSError as exc:
         raise BadInput(f"cannot read the job file {path}: {exc.strerror or exc}") from None
+    except FileRefused as exc:
+        raise BadInput(f"the job file: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"the job file {path} is not UTF-8 text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -69,10 +69,18 @@ def add(
     if file is not None:
         import yaml
 
+        from gpusched.infra.textfiles import FileRefused, read_small_text
+
         try:
-            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise BadInput(f"cannot read {file}: {exc}") from None
+            loaded = yaml.safe_load(read_small_text(file))
+        except OSError as exc:
+            raise BadInput(f"cannot read {file}: {exc.strerror or exc}") from None
+        except FileRefused as exc:
+            raise BadInput(str(exc)) from None
+        except UnicodeDecodeError:
+            raise BadInput(f"{file} is not UTF-8 text") from None
+        except yaml.YAMLError as exc:
+            raise BadInput(f"{file} is not YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise BadInput(f"{file} must hold one inventory entry (a mapping)")
         spec.update(loaded)

@@ -26,10 +26,12 @@ The bundle lives in a directory (`<data_dir>/auth` for the embedded stack):
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -230,7 +232,12 @@ class Issuer:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Written whole or not at all, readable by the owner only."""
+    """Written whole or not at all, readable by the owner only. It replaces a file, never
+    a device or a directory (the replacing rename would put the secret in /dev/stdout's
+    place, or fail half done)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(path.lstat().st_mode) and not path.is_symlink():
+            raise AuthError(f"{path} is not a regular file: give the path of a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

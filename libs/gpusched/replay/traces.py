@@ -5,6 +5,7 @@ file is a ``TraceError`` whose message says what is wrong and what to do."""
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from gpusched.domain.inventory import (
 )
 from gpusched.domain.ledger import PriorityClass
 from gpusched.domain.pricing import PriceBook
+from gpusched.infra.textfiles import FileRefused, bounded_lines, check_readable, read_small_text
 
 from .workload import WHOLE_GPU_MILLI, TracePod, UserRow
 
@@ -72,12 +74,15 @@ class TraceFiles:
 
 def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
     try:
+        check_readable(path)
         handle = path.open(newline="", encoding="utf-8")
+    except FileRefused as exc:
+        raise TraceError(str(exc)) from None
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
     with handle:
         try:
-            reader = csv.DictReader(handle)
+            reader = csv.DictReader(bounded_lines(handle, path))
             header = [column.strip() for column in reader.fieldnames or []]
             missing = [column for column in required if column not in header]
             if missing:
@@ -90,6 +95,8 @@ def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str
             raise TraceError(_not_text(path, exc)) from None
         except csv.Error as exc:
             raise TraceError(f"{path.name}: not a CSV file ({exc})") from None
+        except FileRefused as exc:
+            raise TraceError(str(exc)) from None
 
 
 def _not_text(path: Path, exc: UnicodeDecodeError) -> str:
@@ -167,8 +174,11 @@ def read_philly(path: Path) -> list[float]:
 
 def read_openb_nodes(path: Path) -> Inventory:
     try:
-        with path.open(encoding="utf-8") as handle:
-            return parse_openb_node_csv(handle)
+        return parse_openb_node_csv(io.StringIO(read_small_text(path)))
+    except FileRefused as exc:
+        raise TraceError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(_not_text(path, exc)) from None
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
     except InventoryError as exc:
@@ -224,8 +234,10 @@ def read_user_csv(path: Path) -> list[UserRow]:
 def read_inventory(path: Path) -> Inventory:
     """A user's inventory YAML (as deploy/inventory/)."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_small_text(path))
         return parse_inventory(data if isinstance(data, dict) else {})
+    except FileRefused as exc:
+        raise TraceError(f"the inventory: {exc}") from None
     except OSError as exc:
         raise TraceError(f"cannot read the inventory {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -236,8 +248,10 @@ def read_inventory(path: Path) -> Inventory:
 
 def read_price_book(path: Path) -> PriceBook:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_small_text(path))
         return PriceBook.from_mapping(data if isinstance(data, dict) else {})
+    except FileRefused as exc:
+        raise TraceError(f"the price book: {exc}") from None
     except OSError as exc:
         raise TraceError(f"cannot read the price book {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -27,6 +27,7 @@ from gpusched.infra import access, bus, metrics
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
+from gpusched.infra.textfiles import FileRefused, read_small_text
 
 from . import parking
 from .cancel import CancelOps
@@ -57,11 +58,13 @@ class InventoryUnavailable(RuntimeError):
 def _read_mapping(path: Path, what: str, setting: str, holds: str) -> Mapping[str, Any]:
     """A YAML file that must hold a mapping; every failure names the file and the fix."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_small_text(path))
     except OSError as exc:
         raise InventoryUnavailable(
             f"admission: cannot read the {what} {path} ({exc.strerror}); set {setting}"
         ) from exc
+    except (FileRefused, UnicodeDecodeError) as exc:
+        raise InventoryUnavailable(f"admission: the {what}: {exc}; set {setting}") from exc
     except yaml.YAMLError as exc:
         raise InventoryUnavailable(f"admission: {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, Mapping):

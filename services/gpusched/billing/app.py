@@ -16,6 +16,7 @@ from gpusched.infra import bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import BillingSettings, Settings
+from gpusched.infra.textfiles import FileRefused, read_small_text
 
 NAME = "billing"
 SCHEMA = "billing"
@@ -29,8 +30,8 @@ def load_price_book(settings: BillingSettings) -> PriceBook:
     """
     path = Path(settings.price_book_path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
+        data = yaml.safe_load(read_small_text(path))
+    except (OSError, FileRefused, UnicodeDecodeError) as exc:
         raise RuntimeError(f"billing: cannot read the price book {path}: {exc}") from exc
     if not isinstance(data, Mapping):
         raise RuntimeError(f"billing: the price book {path} must be a mapping")

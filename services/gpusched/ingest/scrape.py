@@ -31,6 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.messages import GpuSample
 from gpusched.infra.settings import IngestSettings
+from gpusched.infra.textfiles import FileRefused, read_small_text
 from gpusched.ingest import dcgm
 from gpusched.ingest.polling import (
     BodyTooLarge,
@@ -128,8 +129,8 @@ def parse_targets(data: object, where: str) -> list[Target]:
 
 def load_targets_file(path: Path) -> list[Target]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        data = yaml.safe_load(read_small_text(path))
+    except (OSError, FileRefused, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise TargetsError(f"cannot read scrape targets {path}: {exc}".splitlines()[0]) from exc
     return parse_targets(data, str(path))
 
