@@ -46,6 +46,7 @@ from gpusched.contracts.messages import (
     StageName,
     T,
 )
+from gpusched.contracts.subjects import untelemetered_note
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import AgentSettings, IngestSettings, Settings
@@ -331,6 +332,19 @@ async def test_an_added_node_takes_queued_work(
     }  # fmt: skip
     assert await admission.rows("nodes") == 4
     assert await admission.rows("gpus") == 14
+    assert added["notes"] == []
+
+
+async def test_a_node_whose_name_is_no_subject_token_is_added_with_a_note(
+    admission: Admission, nodes: Nodes
+) -> None:
+    dotted = {**NEW_NODE, "name": "ip-10-0-1-23.ec2.internal"}
+
+    added = await nodes.ask(NodeVerb.ADD, spec=dotted, operator="ops", reason="eks node")
+
+    assert added["ok"], added
+    assert added["notes"] == [untelemetered_note("ip-10-0-1-23.ec2.internal")]
+    assert "no GPU telemetry" in added["notes"][0]
 
 
 async def test_an_added_node_keeps_its_mig_flag_and_disk_across_a_restart(

@@ -163,6 +163,17 @@ def test_a_sample_per_node_shows_serving_training_and_idle_gpus() -> None:
     assert all(g.mem_used_mib <= 0.85 * g.mem_total_mib for g in shared.values())
 
 
+def test_a_node_no_telemetry_subject_can_name_is_skipped_and_the_others_sampled() -> None:
+    # A node a Kubernetes cluster could name (dots) or a typo (a space): one such node
+    # once stopped every node's samples and the inference stats behind them.
+    samples = gpu_samples(
+        ClusterView(),
+        [GpuRef("gpu-a", 0), GpuRef("ip-10-0-1-23.ec2.internal", 0), GpuRef("n x", 1)],
+        0.0, 1, NOW,
+    )  # fmt: skip
+    assert [s.node for s in samples] == ["gpu-a"]
+
+
 def test_a_node_missing_from_the_inventory_still_reports_its_busy_gpus() -> None:
     samples = gpu_samples(
         ClusterView(), [GpuRef("gpu-x", 2)], 0.0, 1, NOW, extra_models={"gpu-x": "H100-80GB"}

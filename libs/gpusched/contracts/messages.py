@@ -779,7 +779,8 @@ class NodeView(Wire):
 class NodeReply(Public):
     ok: bool
     nodes: list[NodeView] = Field(default_factory=list)
-    # What a reload left alone, in words (nodes stored but no longer in the file).
+    # In words: what a reload left alone (nodes stored but no longer in the file), and
+    # what an added node lacks (telemetry, for a name that is no subject token).
     notes: list[str] = Field(default_factory=list)
     error: ApiError | None = None
 

@@ -21,9 +21,23 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 TELEMETRY_PARTITIONS = 16
 
 
+def is_token(value: str) -> bool:
+    """Whether `value` can be one subject token (see check_token)."""
+    return _TOKEN.fullmatch(value) is not None
+
+
+def untelemetered_note(node: str) -> str:
+    """What an operator is told of a node whose name cannot be a telemetry subject."""
+    return (
+        f"node {node} gets no GPU telemetry: its name is not one subject token (letters, "
+        "digits, '-' and '_'); its GPUs are placed, but their utilization is not sampled "
+        "(remove it and add it again under such a name)"
+    )
+
+
 def check_token(value: str, what: str) -> str:
     """A value used as one subject token: no dots, spaces or wildcards."""
-    if not _TOKEN.fullmatch(value):
+    if not is_token(value):
         raise ValueError(
             f"{what} {value!r} cannot be used in a subject: "
             "use 1-128 characters from letters, digits, '-' and '_'"

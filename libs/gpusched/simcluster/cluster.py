@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from gpusched.contracts.messages import GpuReading, GpuSample, InventoryNode, NodeChange
+from gpusched.contracts.subjects import is_token
 from gpusched.domain.inventory import DEFAULT_GPU_MEMORY_MIB, GPU_MEMORY_MIB, GpuRef, Pool
 from gpusched.simcluster.load import serving_util, training_util
 
@@ -113,7 +114,8 @@ def gpu_samples(
     time: datetime,
     extra_models: Mapping[str, str] | None = None,
 ) -> list[GpuSample]:
-    """One sample per node with all its GPUs.
+    """One sample per node with all its GPUs (none for a node whose name cannot be a
+    telemetry subject: `untelemetered_note`).
 
     Serving GPUs report the inference load spread over all of them; GPUs running a
     workload report training load; the rest are idle. Nodes not in the inventory but
@@ -130,6 +132,9 @@ def gpu_samples(
         per_node.setdefault(ref.node, (model, set()))[1].add(ref.index)
     samples = []
     for node_name in sorted(per_node):
+        if not is_token(node_name):
+            # No telemetry subject can name it: the other nodes are sampled all the same.
+            continue
         model, indices = per_node[node_name]
         memory = GPU_MEMORY_MIB.get(model, DEFAULT_GPU_MEMORY_MIB)
         readings = []

@@ -37,6 +37,7 @@ from gpusched.contracts.messages import (
     ReloadInventory,
     T,
 )
+from gpusched.contracts.subjects import is_token, untelemetered_note
 from gpusched.contracts.validation import Invalid, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
@@ -162,7 +163,7 @@ class NodeOps:
                 for name in sorted(set(stored) - listed)
             ]
             reply = await self._add_all(uow, ledger, new, reason) if new else NodeReply(ok=True)
-            return reply.model_copy(update={"notes": notes})
+            return reply.model_copy(update={"notes": [*reply.notes, *notes]})
 
         return await self._decide(request.operator, f"node.{NodeVerb.RELOAD}", apply)
 
@@ -341,7 +342,8 @@ class NodeOps:
             await store.insert_node(uow, spec, now)
             self._set_inventory(Inventory((*self._keeper.inventory.nodes, spec)))
             await self._announce(uow, NodeChange.ADDED, spec, NodeState.UP, reason)
-        return NodeReply(ok=True, nodes=[_view(ledger, spec) for spec in specs])
+        notes = [untelemetered_note(spec.name) for spec in specs if not is_token(spec.name)]
+        return NodeReply(ok=True, nodes=[_view(ledger, spec) for spec in specs], notes=notes)
 
     async def _announce(
         self,

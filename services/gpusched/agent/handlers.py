@@ -53,7 +53,7 @@ from gpusched.contracts.messages import (
     StopReason,
     T,
 )
-from gpusched.contracts.subjects import Subjects
+from gpusched.contracts.subjects import Subjects, untelemetered_note
 from gpusched.domain.inventory import GpuRef
 from gpusched.infra.errors import Rejected
 from gpusched.infra.settings import AgentSettings
@@ -134,6 +134,8 @@ class ClusterAgent:
         self.down_nodes: set[str] = set()
         self._stopped: OrderedDict[str, Stopped] = OrderedDict()
         self._tick = 0
+        # Nodes already said to get no telemetry (said once each).
+        self._unsampled: set[str] = set()
         self.agent_id = agent_id
         # The connection's reconnect count when agent.ready last went out (None: never).
         self._announced_at: int | None = None
@@ -316,7 +318,11 @@ class ClusterAgent:
         now = self._now()
         training = {GpuRef(g.node, g.index) for e in self._running.values() for g in e.start.gpus}
         models = {g.node: g.model for e in self._running.values() for g in e.start.gpus}
-        for sample in gpu_samples(self.view, training, self.demand_gpus, self._tick, now, models):
+        samples = gpu_samples(self.view, training, self.demand_gpus, self._tick, now, models)
+        for node in sorted(set(self.view.nodes) - {s.node for s in samples} - self._unsampled):
+            self._unsampled.add(node)
+            log.warning("%s", untelemetered_note(node))
+        for sample in samples:
             await self._publisher.publish(
                 self._s.telemetry_gpu(sample.node),
                 T.GPU_SAMPLE,
