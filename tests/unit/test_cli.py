@@ -262,3 +262,27 @@ def test_gpus_are_shown_per_node_as_ranges() -> None:
     assert output.gpus_by_node(refs) == ["shared-01: 4 GPUs (0-2,5)", "shared-02: 8 GPUs (0-7)"]
     assert output.ranges([]) == ""
     assert output.size(1_500_000_000) == "1.5 GB" and output.size(42) == "42 B"
+
+
+@pytest.mark.parametrize("service", [False, True])
+def test_a_list_setting_that_is_not_json_is_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, service: bool
+) -> None:
+    from gpusched.cli.errors import NotConfigured
+    from gpusched.cli.session import load_settings
+
+    monkeypatch.setenv("GPUSCHED_CHECKPOINT__VERIFY_SCHEMES", "file,s3")
+    # A plain value beside it (not JSON either, and needing none) is not named.
+    monkeypatch.setenv("GPUSCHED_CHECKPOINT__VERIFY_URIS", "yes")
+
+    with pytest.raises(NotConfigured) as refused:
+        load_settings(service=service)
+
+    message = str(refused.value)
+    assert message.startswith(
+        "GPUSCHED_CHECKPOINT__VERIFY_SCHEMES: not JSON, which a list or mapping setting takes"
+    )
+    assert "VERIFY_URIS" not in message and "\n" not in message
+    monkeypatch.setenv("GPUSCHED_CHECKPOINT__VERIFY_SCHEMES", '["file", "s3"]')
+    monkeypatch.delenv("GPUSCHED_CHECKPOINT__VERIFY_URIS")
+    assert load_settings(service=service).checkpoint.verify_schemes == ["file", "s3"]

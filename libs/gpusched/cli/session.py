@@ -8,7 +8,7 @@ import this module at start, and `--help` must not pay for them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpusched.cli.errors import NotConfigured, Refused
@@ -31,16 +31,73 @@ def settings_error(exc: ValidationError) -> str:
     return f"{variable}: {message}; set it right (or unset it for the default) and start again"
 
 
+def unparsable_setting(field: str, environ: Mapping[str, str]) -> str:
+    """The one line for a variable pydantic-settings could not parse: a list or mapping
+    setting takes JSON, and `field` (its message names no more) is the section whose
+    list and mapping variables are looked at."""
+    from gpusched.infra.settings import Settings
+
+    section = f"GPUSCHED_{field.upper()}"
+    info = Settings.model_fields.get(field)
+    model = info.annotation if info is not None else None
+    fields = getattr(model, "model_fields", {})
+    named = sorted(
+        name
+        for name, value in environ.items()
+        if (
+            (name.upper() == section and _takes_json(info))
+            or (
+                name.upper().startswith(section + "__")
+                and _takes_json(fields.get(name[len(section) + 2 :].lower()))
+            )
+        )
+        and not _is_json(value)
+    )
+    which = " or ".join(named) if named else f"a {section} variable"
+    return (
+        f"{which}: not JSON, which a list or mapping setting takes (a list as "
+        """'["file", "s3"]', a mapping as '{"name": ["a", "b"]}'); set it right (or unset it """
+        "for the default) and start again"
+    )
+
+
+def _takes_json(info: Any) -> bool:
+    import typing
+
+    annotation = getattr(info, "annotation", None)
+    return typing.get_origin(annotation) in (list, dict) or annotation in (list, dict)
+
+
+def _is_json(text: str) -> bool:
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def load_settings(*, service: bool = False) -> Settings:
     """The settings from the environment. A bad variable is one line: for a command,
     `invalid <setting>: <what>` (main() turns the ValidationError into it); for a
     service process, naming the variable and what to do."""
+    import os
+    import re
+
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from gpusched.infra.settings import Settings
 
     try:
         return Settings()
+    except SettingsError as exc:
+        # Raised before validation, for a list or mapping variable that is not JSON.
+        field = re.search(r'field "(\w+)"', str(exc))
+        raise NotConfigured(
+            unparsable_setting(field.group(1) if field else "", os.environ)
+        ) from None
     except ValidationError as exc:
         if not service:
             raise
