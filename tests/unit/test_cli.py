@@ -286,3 +286,15 @@ def test_a_list_setting_that_is_not_json_is_one_line_naming_the_variable(
     monkeypatch.setenv("GPUSCHED_CHECKPOINT__VERIFY_SCHEMES", '["file", "s3"]')
     monkeypatch.delenv("GPUSCHED_CHECKPOINT__VERIFY_URIS")
     assert load_settings(service=service).checkpoint.verify_schemes == ["file", "s3"]
+
+
+@pytest.mark.parametrize("value", ["nan", "-5", "inf"])
+def test_a_readiness_wait_that_is_no_usable_number_of_seconds_starts_nothing(
+    tmp_path: Path, value: str
+) -> None:
+    done = _cli("up", "--ready-timeout", value, env={"GPUSCHED_DATA_DIR": str(tmp_path)})
+
+    assert done.returncode == 2
+    assert "Invalid value for '--ready-timeout'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no server was started, no stack file written
