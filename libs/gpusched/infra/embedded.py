@@ -20,6 +20,7 @@ import abc
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,12 +54,42 @@ class EmbeddedServerError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now. Another process may take it before we bind it, so the
-    servers retry with a fresh port when theirs turns out to be taken."""
+    """A port free right now, below the kernel's ephemeral range where there is room.
+
+    Not port 0's choice: that is an ephemeral port, drawn from the range every outgoing
+    connection of the machine also draws from, so a client socket could take it before
+    the server or service meant to listen on it binds it (a service's metrics port was
+    taken so, and the service crash-looped). Another process may still take the port
+    first; the servers retry with a fresh one when theirs turns out to be taken."""
+    low = _ephemeral_range()[0]
+    for _ in range(_PICKS if low - _LOWEST_PICKED > _PICKS else 0):
+        port = _picker.randrange(_LOWEST_PICKED, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+# free_port's picks: above the well-known and common service ports, below the ephemeral
+# range; a generator of this process's own (a test seeding `random` changes nothing).
+_LOWEST_PICKED = 20000
+_PICKS = 64
+_picker = random.Random()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports (Linux; IANA's elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 class _ChildServer(abc.ABC):
