@@ -99,6 +99,18 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
 )
 
 
+def wait_until_caught(pid: int, sig: int, timeout: float = 10.0) -> None:
+    """Until process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+        if int(caught, 16) >> (sig - 1) & 1:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} installed no handler for signal {sig} in {timeout}s")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signalling_or_killing_the_supervisor_leaves_no_child_alive(sig: int) -> None:
     reaper = subprocess.Popen(
@@ -112,7 +124,10 @@ def test_signalling_or_killing_the_supervisor_leaves_no_child_alive(sig: int) ->
         assert reaper.stdout is not None
         supervisor, *children = json.loads(reaper.stdout.readline())
         assert len(children) == 2 and all(map(process_alive, children))
-        time.sleep(0.2)  # let wait() install its signal handlers
+        # wait() installs the handlers of SIGINT and SIGTERM together, SIGTERM last. A
+        # fixed sleep for it once lost the race under load: SIGINT came first and, being
+        # ignored in a background job's process, was dropped, and nothing stopped.
+        wait_until_caught(supervisor, signal.SIGTERM)
 
         os.kill(supervisor, sig)
 
