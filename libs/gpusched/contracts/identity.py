@@ -93,7 +93,7 @@ def caller_from_headers(headers: Mapping[str, str] | None, clients_account: str 
         account = info.get("acc")
         name = info.get("name_tag") or ""
         tags = info.get("tags") or []
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError, MemoryError):
         return Caller(CallerKind.UNKNOWN, "unreadable")
     if not isinstance(name, str) or (clients_account is not None and account != clients_account):
         return Caller(CallerKind.UNKNOWN, str(account)[:64])

@@ -103,6 +103,10 @@ class Manifest(BaseModel):
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise MalformedManifest(f"not JSON ({exc})") from None
+        except (RecursionError, MemoryError) as exc:
+            # Nesting the parser cannot follow (a few hundred kB of `[`): the claim's
+            # own bytes are at fault, so it is judged false, never retried.
+            raise MalformedManifest(f"not a manifest: {type(exc).__name__}") from None
         if not isinstance(data, dict):
             raise MalformedManifest("not a JSON object")
         if data.get("format") != FORMAT:

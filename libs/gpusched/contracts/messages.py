@@ -9,7 +9,6 @@ forbid unknown fields, so a typo between our own services is an error.
 
 from __future__ import annotations
 
-from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Final, Literal
@@ -26,6 +25,7 @@ from pydantic import (
 
 from gpusched.contracts.subjects import check_token
 from gpusched.contracts.validation import (
+    MAX_WORKLOAD_SECONDS,
     Argv,
     Attempt,
     Bytes,
@@ -38,6 +38,7 @@ from gpusched.contracts.validation import (
     GpuCount,
     GpuIndex,
     Id,
+    Instant,
     Latency,
     MiB,
     Milli,
@@ -48,6 +49,7 @@ from gpusched.contracts.validation import (
     Seconds,
     Step,
     Steps,
+    StepSeconds,
     StrictFlag,
     Team,
     Temperature,
@@ -85,7 +87,7 @@ class CheckpointRequested(Public):
     request_id: Id
     job_id: Id
     reason: Text
-    deadline: datetime
+    deadline: Instant
     stage_required: StageName
 
 
@@ -230,7 +232,7 @@ class AuditRecord(Public):
     entity: Name  # what it is about: a job, allocation, saga, node ...
     reason: Text
     details: Document = Field(default_factory=dict)
-    time: datetime
+    time: Instant
 
 
 # ======================================================================================
@@ -305,13 +307,25 @@ class WorkloadSpec(Public):
 
     kind: Literal["sim", "process", "pod"] = "sim"
     steps: Steps = 1000
-    step_seconds: Seconds = Field(default=1.0, gt=0)
+    # A simulated step takes at least a millisecond: a clock that advances by less
+    # than its own resolution never reaches the next step (nor the end of the job).
+    step_seconds: StepSeconds = 1.0
     checkpoint_seconds: Seconds = 0.5
     # A `sim` loop also saves (and confirms) a checkpoint every this many steps, as real
     # jobs do periodically: a crash of its node or agent then loses at most that much.
     checkpoint_every_steps: Steps | None = None
     argv: Argv = Field(default_factory=list)
     pod: Document | None = None
+
+    @model_validator(mode="after")
+    def _duration_bounded(self) -> WorkloadSpec:
+        total = self.steps * self.step_seconds
+        if total > MAX_WORKLOAD_SECONDS:
+            raise ValueError(
+                f"steps x step_seconds is {total:.3g} s; at most {MAX_WORKLOAD_SECONDS:.0e} s "
+                "(about 31 years) of simulated training"
+            )
+        return self
 
 
 class Replicas(Public):
@@ -401,7 +415,7 @@ class ReservationView(Wire):
     """Nodes held for a waiting gang: GPUs freeing there are kept for it."""
 
     nodes: list[str]
-    since: datetime
+    since: Instant
     reason: str
 
 
@@ -413,7 +427,7 @@ class ReplicaView(Wire):
     allocation_ids: list[str] = Field(default_factory=list)
     # Failed replicas in a row, and when their replacement may be placed (restart back-off).
     failures: int = 0
-    restart_at: datetime | None = None
+    restart_at: Instant | None = None
 
 
 class JobView(Wire):
@@ -432,7 +446,7 @@ class JobView(Wire):
     node: str | None = None
     resume_from: CheckpointInfo | None = None
     latest_checkpoint: CheckpointInfo | None = None
-    submitted_at: datetime
+    submitted_at: Instant
     warnings: list[str] = Field(default_factory=list)
     # The part of its GPU a fractional or MIG job holds.
     share: GpuShare | None = None
@@ -552,7 +566,7 @@ class JobSummary(Wire):
     gpus: int
     milli: int | None = None
     model: str | None = None
-    submitted_at: datetime
+    submitted_at: Instant
     allocation_id: str | None = None
 
 
@@ -582,7 +596,7 @@ class ServiceState(Wire):
 
 
 class PoolSnapshot(Wire):
-    time: datetime
+    time: Instant
     window_s: Seconds
     pools: list[PoolState]
     services: list[ServiceState] = Field(default_factory=list)
@@ -610,7 +624,7 @@ class AllocationGranted(Wire):
     priority_class: PriorityClassName
     pool: str
     gpus: list[GpuRef]
-    granted_at: datetime
+    granted_at: Instant
     attempt: int = Field(ge=1)
     checkpointable: bool
     resume_from: CheckpointInfo | None = None
@@ -630,7 +644,7 @@ class AllocationReleased(Wire):
     job_id: str
     team: str
     gpus: list[GpuRef]
-    released_at: datetime
+    released_at: Instant
     reason: str
 
 
@@ -696,7 +710,7 @@ class NodeHealth(Wire):
     node: str
     healthy: bool
     reason: str = ""
-    time: datetime
+    time: Instant
 
 
 # ======================================================================================
@@ -732,6 +746,9 @@ NODE_SPEC_LIMITS: dict[str, int] = {
     "gpu_memory_mib": 2**30,
     "disk_gib": 2**30,
 }
+# GPUs one AddNode may add in all (count x gpus): above the 10,000 nodes x 8 GPUs this
+# control plane is sized for, far below the 10 million the two bounds alone allow.
+NODE_SPEC_MAX_GPUS: Final = 100_000
 
 
 class AddNode(Public):
@@ -750,6 +767,18 @@ class AddNode(Public):
             value = v.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > most:
                 raise ValueError(f"{key}: at most {most}, got {value}")
+        count, gpus = v.get("count", 1), v.get("gpus")
+        if (
+            isinstance(count, int)
+            and isinstance(gpus, int)
+            and not isinstance(count, bool)
+            and not isinstance(gpus, bool)
+            and count * gpus > NODE_SPEC_MAX_GPUS
+        ):
+            raise ValueError(
+                f"count x gpus: at most {NODE_SPEC_MAX_GPUS:,} GPUs in one request, got "
+                f"{count} x {gpus} = {count * gpus:,}"
+            )
         return v
 
 
@@ -812,7 +841,7 @@ class EvictionRequested(Wire):
     team: str
     priority_class: PriorityClassName
     gpus: int = Field(ge=1)
-    started_at: datetime
+    started_at: Instant
     reason: str
 
 
@@ -865,7 +894,7 @@ class CheckpointVerified(Wire):
     job_id: str
     request_id: str | None
     checkpoint: CheckpointInfo
-    confirmed_at: datetime
+    confirmed_at: Instant
 
 
 # ======================================================================================
@@ -886,7 +915,7 @@ class StartWorkload(Wire):
     # control subject), valid until `credentials_expire_at` unless renewed. A secret:
     # never logged or audited.
     credentials: Credentials | None = Field(default=None, repr=False)
-    credentials_expire_at: datetime | None = None
+    credentials_expire_at: Instant | None = None
 
 
 class RenewCredentials(Wire):
@@ -896,7 +925,7 @@ class RenewCredentials(Wire):
     allocation_id: str
     job_id: str
     credentials: Credentials = Field(repr=False)
-    expire_at: datetime
+    expire_at: Instant
 
 
 class MigConfigure(Wire):
@@ -917,7 +946,7 @@ class MigConfigured(Wire):
     node: str
     gpu: int = Field(ge=0)
     profiles: list[str]
-    applied_at: datetime
+    applied_at: Instant
 
 
 class MigConfigureFailed(Wire):
@@ -927,7 +956,7 @@ class MigConfigureFailed(Wire):
     node: str
     gpu: int = Field(ge=0)
     error: str
-    time: datetime
+    time: Instant
 
 
 class EvictWorkload(Wire):
@@ -950,14 +979,14 @@ class WorkloadStarted(Wire):
     allocation_id: str
     job_id: str
     node: str
-    started_at: datetime
+    started_at: Instant
 
 
 class WorkloadStopped(Wire):
     allocation_id: str
     job_id: str
     reason: StopReason
-    stopped_at: datetime
+    stopped_at: Instant
     exit_code: int | None = None
     saga_id: str | None = None
 
@@ -970,7 +999,7 @@ class AgentReady(Wire):
     agent_id: str = Field(min_length=1, max_length=200)
     nodes: list[str]
     running: list[str] = Field(default_factory=list)
-    time: datetime
+    time: Instant
 
 
 class EvictFailed(Wire):

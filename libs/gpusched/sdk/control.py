@@ -5,11 +5,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Final
 
 from gpusched.contracts import messages as wire
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import StageName, T
 from gpusched.sdk.checkpoints import SavedCheckpoint
+
+# ~31 years: far beyond any real deadline, well within what the standard library's
+# waits accept (threading.TIMEOUT_MAX and time.sleep go to ~292 years).
+MAX_SECONDS_LEFT: Final = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +29,11 @@ class CheckpointRequest:
     message_id: str | None = None  # the request's envelope id; the confirmation cites it
 
     def seconds_left(self, now: datetime | None = None) -> float:
-        """Seconds until the deadline (negative once it has passed)."""
-        return (self.deadline - (now or datetime.now(UTC))).total_seconds()
+        """Seconds until the deadline (negative once it has passed), within
+        +-MAX_SECONDS_LEFT: a deadline centuries away stays a number that
+        `time.sleep`, `Event.wait` or `asyncio.wait_for` accept."""
+        left = (self.deadline - (now or datetime.now(UTC))).total_seconds()
+        return max(-MAX_SECONDS_LEFT, min(MAX_SECONDS_LEFT, left))
 
     def satisfied_by(self, stage: StageName) -> bool:
         """Whether a checkpoint at `stage` is what this request waits for (persisted

@@ -7,8 +7,10 @@ one audit record per state the saga entered. A late, duplicate or foreign input
 it is normal life on an at-least-once bus, not a dead letter.
 
 Job events name their job by the envelope's correlation id (the SDK sets it to the job
-id); job.completed/failed may instead carry it only in their payload. The subject's
-job token is not used: handlers see envelopes, not subjects.
+id); job.completed/failed may instead carry it only in their payload. Handlers see
+envelopes, not subjects: the edge (`validation.check_subject`) has already refused a
+job event whose correlation id or job_id is not the job of the events subject it came
+on, so a job can speak only for itself (its credentials name only its own subject).
 
 A claim counts only if storage confirms it, or if its URI's scheme is one the service
 cannot read and the deployment trusts for the job's priority class (TrustPolicy). The

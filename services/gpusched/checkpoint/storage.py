@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, BinaryIO, Final, Protocol
 from urllib.parse import unquote, urlsplit
 
 from gpusched.checkpoint.verification import (
@@ -205,13 +207,17 @@ def _read_small(fs: Any, path: str, expected_bytes: int) -> tuple[bytes | None, 
             return None, ObjectFacts(exists=False)
         if size != expected_bytes or size > MAX_MANIFEST_BYTES:
             return None, ObjectFacts(exists=True, bytes=size)
-        raw = fs.cat_file(path)
+        # One byte more than the size stated: a file that grew since is not read on.
+        with _open(fs, path) as f:
+            raw = f.read(size + 1)
     except FileNotFoundError:
         return None, ObjectFacts(exists=False)
     except Exception as exc:
         return None, _failure(exc)
     if not isinstance(raw, bytes):
         raw = bytes(raw)
+    if len(raw) != size:
+        return None, ObjectFacts(exists=True, bytes=len(raw))  # changed while being read
     return raw, ObjectFacts(exists=True, bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
 
 
@@ -230,8 +236,10 @@ def _inspect(
             return ObjectFacts(exists=True, bytes=size, sha256=stored)
         digest = hashlib.sha256()
         read = 0
-        with fs.open(path, "rb", block_size=_CHUNK) as f:
-            while chunk := f.read(_CHUNK):
+        with _open(fs, path) as f:
+            # Never past one byte more than the size stated: a file that grows while it
+            # is read (or one that reports a size it does not hold) ends the reading.
+            while chunk := f.read(min(_CHUNK, size + 1 - read)):
                 if stop.is_set() or time.monotonic() > deadline:
                     return None
                 digest.update(chunk)
@@ -251,7 +259,12 @@ def _size(fs: Any, path: str) -> int | None:
         info = fs.info(path)
     except FileNotFoundError:
         return None
-    if info.get("type") != "file":
+    kind = info.get("type")
+    if kind == "other":
+        # A device, FIFO or socket (/dev/zero, a named pipe): reading one could block
+        # or never end, and it is no checkpoint. Refused without being opened.
+        raise _NotPlain(f"{path} is not a regular file (not read)")
+    if kind != "file":
         return None
     if info.get("islink"):
         # A link would let a claim make the service read (and report the size and
@@ -263,6 +276,26 @@ def _size(fs: Any, path: str) -> int | None:
 
 class _NotPlain(Exception):
     """What a claim names is no plain file: refused without being read."""
+
+
+def _open(fs: Any, path: str) -> BinaryIO:
+    """`path` open for reading. A local file is opened without following a link and
+    without blocking, and must be a regular file once open: it may have been swapped
+    for a link or a FIFO (whose open would wait for a writer) since `_size` looked."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        opened: BinaryIO = fs.open(path, "rb", block_size=_CHUNK)
+        return opened
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotPlain(f"{path} is not a regular file (not read)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _stored_sha256(fs: Any, path: str) -> str | None:

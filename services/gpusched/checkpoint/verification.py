@@ -98,19 +98,24 @@ def uri_scheme(uri: str) -> str:
 
 
 def judge(claim: CheckpointRef, facts: ObjectFacts) -> Verdict:
-    """A claim against what storage holds at its URI."""
+    """A claim against what storage holds at its URI.
+
+    A refusal says what does not match, never what storage holds instead: the verdict
+    goes to the audit stream, and a claim may name any object the service can read (a
+    file that is no checkpoint), whose size and digest are not the claimant's to learn.
+    """
     if not facts.exists:
         detail = f" ({facts.error})" if facts.error else ""
         return Verdict(ClaimCheck.FALSE, f"{claim.uri} does not exist{detail}")
     if facts.bytes != claim.bytes:
         return Verdict(
             ClaimCheck.FALSE,
-            f"{claim.uri} holds {facts.bytes} bytes, the job claimed {claim.bytes}",
+            f"{claim.uri} does not hold the {claim.bytes} bytes the job claimed",
         )
     if facts.sha256 != claim.sha256:
         return Verdict(
             ClaimCheck.FALSE,
-            f"{claim.uri} has sha256 {facts.sha256}, the job claimed {claim.sha256}",
+            f"{claim.uri}: its sha256 does not match the one the job claimed",
         )
     return Verdict(ClaimCheck.VERIFIED, f"{claim.uri}: {claim.bytes} bytes, sha256 matches")
 
@@ -187,9 +192,9 @@ def judge_file(entry: ManifestFile, facts: ObjectFacts) -> str | None:
     if not facts.exists:
         return "missing" + (f" ({facts.error})" if facts.error else "")
     if facts.bytes != entry.bytes:
-        return f"holds {facts.bytes} bytes, the manifest says {entry.bytes}"
+        return f"does not hold the {entry.bytes} bytes the manifest says"
     if facts.sha256 != entry.sha256:
-        return f"has sha256 {facts.sha256}, the manifest says {entry.sha256}"
+        return "its sha256 does not match the manifest's"
     return None
 
 
