@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from gpusched.contracts.envelope import Envelope, make_envelope, utcnow
 from gpusched.contracts.messages import AuditRecord, T
 from gpusched.contracts.subjects import Subjects, check_token
+from gpusched.contracts.validation import NAME_MAX, TEXT_MAX, check_text, printable
 from gpusched.infra import tracing
 from gpusched.infra.errors import is_outage
 
@@ -367,12 +368,17 @@ class UnitOfWork:
         causation_id: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> Outgoing:
-        """The audit record ``audit`` would emit, for ``emit_many``."""
+        """The audit record ``audit`` would emit, for ``emit_many``.
+
+        ``entity`` and ``reason`` are often built from what a user sent (a job's GPU
+        models, a node's name): they are made to fit the record (see ``_fitted``), so an
+        audit record never fails the decision it records."""
+        entity = _fitted(entity, NAME_MAX)
         record = AuditRecord(
             action=action,
             actor=self.source,
             entity=entity,
-            reason=reason,
+            reason=_fitted(reason, TEXT_MAX, multiline=True),
             details=dict(details or {}),
             time=utcnow(),
         )
@@ -380,7 +386,7 @@ class UnitOfWork:
             self.subjects.audit(action),
             T.AUDIT,
             record,
-            correlation_id=correlation_id or entity,
+            correlation_id=correlation_id or entity or None,
             causation_id=causation_id,
             trace_headers=trace_headers,
         )
@@ -400,6 +406,27 @@ class UnitOfWork:
             causation_id=causation_id,
         )  # fmt: skip
         return self._stage(event, tracing.inject)
+
+
+def _fitted(text: str, limit: int, *, multiline: bool = False) -> str:
+    """``text`` as a bounded text field holds it: unchanged if it fits; else its control
+    and bidi characters escaped (on one line) and, past ``limit`` characters, its start
+    kept and its end saying how much was left out."""
+    try:
+        return check_text(text, max_length=limit, multiline=multiline)
+    except ValueError:
+        pass
+    # Escaping makes a character at most 6 long (\u202e): nothing is cut here.
+    text = printable(text, 6 * len(text))
+    if len(text) <= limit:
+        return text
+    # The marker states at most len(text) characters left out: as long as it ever is.
+    keep = limit - len(_left_out(len(text)))
+    return text[:keep] + _left_out(len(text) - keep)
+
+
+def _left_out(count: int) -> str:
+    return f"... ({count} more characters)"
 
 
 class UnitOfWorkFactory:

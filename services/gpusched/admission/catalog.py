@@ -21,6 +21,8 @@ from gpusched.domain.ledger import JobKind, PriorityClass
 from gpusched.domain.quota import AboveMax, QuotaBook
 from gpusched.domain.sharing import Overcommit, ShareAsk, mig_capable, smallest_profile
 
+from .words import NAMED_KNOWN, models_words, some_of
+
 WHOLE_GPU_MILLI = 1000
 _MIB_PER_GIB = 1024
 _HOST_SHARE_QUANTUM = Decimal("0.001")
@@ -149,8 +151,8 @@ class Catalog:
         if unknown and len(unknown) == len(gpus.accepted):
             return refuse(
                 ErrorCode.UNKNOWN_GPU_MODEL,
-                f"GPU model(s) {', '.join(map(repr, unknown))} not in the inventory "
-                f"(known: {', '.join(sorted(self.models))})",
+                f"GPU model(s) {some_of([repr(model) for model in unknown])} not in the "
+                f"inventory (known: {some_of(sorted(self.models), most=NAMED_KNOWN)})",
             )
         if (refusal := self._capability_refusal(job)) is not None:
             return refusal
@@ -229,7 +231,8 @@ class Catalog:
             return refuse(
                 ErrorCode.UNKNOWN_TEAM,
                 f"team {job.team!r} has no quota (known teams: "
-                f"{', '.join(sorted(self.quotas.teams))}); ask an operator to add it",
+                f"{some_of(sorted(self.quotas.teams), most=NAMED_KNOWN)}); "
+                "ask an operator to add it",
             )
         if not team.allows(priority) and team.above_max is AboveMax.REJECT:
             return refuse(
@@ -243,7 +246,7 @@ class Catalog:
             return refuse(
                 ErrorCode.OVER_QUOTA,
                 f"asks {job.gpus.count} GPUs, but team {job.team} may hold at most {most} of "
-                f"{' or '.join(models)} (its max, borrowing included)",
+                f"{some_of(models, ' or ')} (its max, borrowing included)",
             )
         return None
 
@@ -341,7 +344,7 @@ def submission_warnings(job: SubmitJob) -> list[str]:
 
 
 def _describe(job: SubmitJob) -> str:
-    parts = ["|".join(job.gpus.accepted) or "any model"]
+    parts = [models_words(job.gpus.accepted)]
     if job.gpus.memory_gib is not None:
         parts.append(f">= {job.gpus.memory_gib:g} GiB each")
     return ", ".join(parts)

@@ -21,6 +21,7 @@ from gpusched.infra.db import UnitOfWork
 
 from . import lending, store, wire
 from .keeper import LedgerKeeper
+from .words import some_of
 
 
 class LedgerCommands:
@@ -67,7 +68,7 @@ class LedgerCommands:
                 f"lent {len(reserved.gpus)} shared GPUs to inference "
                 f"({len(reserved.pending)} on release of their training jobs)"
                 + (f"; {short} fewer idle GPUs than asked" if short > 0 else "")
-                + (f"; unknown allocations {', '.join(unknown)}" if unknown else "")
+                + (f"; unknown allocations {some_of(unknown)}" if unknown else "")
             ),
             details={
                 "decision_id": command.decision_id,

@@ -17,6 +17,7 @@ from .catalog import Catalog
 from .index import FairOrder, QueueIndex
 from .queue import Usage
 from .store import JobRecord
+from .words import models_words
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ def find(
 def _no_share(request: PlacementRequest) -> str:
     share = request.share
     assert share is not None
-    model = "|".join(request.models) or "any model"
+    model = models_words(request.models)
     pools = "/".join(request.pools)
     if share.mig:
         return (
@@ -110,7 +111,7 @@ def _no_room(ledger: Ledger, request: PlacementRequest) -> str:
             f"{request.cpu_milli / 1000:g} CPU cores and {request.memory_mib} MiB of host "
             "memory left; it waits for running jobs to end"
         )
-    model = "|".join(request.models) or "any model"
+    model = models_words(request.models)
     free_by_node: dict[str, int] = {}
     for pool in request.pools or default_pools(request.kind):
         for ref in ledger.free_gpus(pool):

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from gpusched.contracts.envelope import utcnow
 from gpusched.contracts.identity import CallerKind
 from gpusched.contracts.messages import (
+    ApiError,
     ApproveJob,
     ApproveReply,
     GetJob,
@@ -462,6 +463,16 @@ class JobListing:
                 return ListReply(ok=False, error=error)
             request = request.model_copy(update={"team": who.team})
         async with self._uow() as uow:
+            if request.after is not None and not await _listed(uow, request.after, request.team):
+                # Unknown, an empty page would read as the end of the list.
+                scope = f" among team {request.team}'s jobs" if request.team is not None else ""
+                error = ApiError(
+                    code=ErrorCode.INVALID,
+                    message=f"after: no job {request.after!r}{scope} to list after (the "
+                    "cursor is the `next` of a previous page)",
+                    field="after",
+                )
+                return ListReply(ok=False, error=error)
             rows = await store.list_jobs(
                 uow,
                 team=request.team,
@@ -475,6 +486,12 @@ class JobListing:
         page = [_summary(row) for row in rows[: request.limit]]
         more = len(rows) > request.limit
         return ListReply(ok=True, jobs=page, next=page[-1].job_id if more and page else None)
+
+
+async def _listed(uow: UnitOfWork, job_id: str, team: str | None) -> bool:
+    """Whether ``job_id`` is a job the listing of ``team`` (None: every team) holds."""
+    owner = await store.job_team(uow, job_id)
+    return owner is not None and team in (None, owner)
 
 
 def _summary(row: Any) -> JobSummary:

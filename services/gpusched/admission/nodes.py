@@ -17,7 +17,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from gpusched.contracts.envelope import Envelope, utcnow
 from gpusched.contracts.messages import (
@@ -38,7 +38,7 @@ from gpusched.contracts.messages import (
     T,
 )
 from gpusched.contracts.subjects import is_token, untelemetered_note
-from gpusched.contracts.validation import Invalid, parse_request
+from gpusched.contracts.validation import Invalid, first_error, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
 from gpusched.domain.ledger import Ledger, NodeCondition
@@ -87,9 +87,9 @@ _TRANSITIONS: dict[NodeChange, tuple[tuple[NodeCondition | None, ...], NodeCondi
 class NodeRefused(Exception):
     """A well-formed node request the ledger's state refuses; nothing is changed."""
 
-    def __init__(self, code: StrEnum, message: str) -> None:
+    def __init__(self, code: StrEnum, message: str, field: str | None = None) -> None:
         super().__init__(message)
-        self.error = ApiError(code=code, message=message)
+        self.error = ApiError(code=code, message=message, field=field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +334,7 @@ class NodeOps:
     ) -> NodeReply:  # fmt: skip
         known = set(ledger.nodes)
         for spec in specs:
+            _check_announceable(spec)
             if spec.name in known:
                 raise NodeRefused(NodeErrorCode.DUPLICATE_NODE, f"node {spec.name} already exists")
         now = self._clock()
@@ -435,6 +436,21 @@ def _view(ledger: Ledger, spec: NodeSpec) -> NodeView:
         if present
         else [],
     )
+
+
+def _check_announceable(spec: NodeSpec) -> None:
+    """Refuse a node its own inventory.changed event could not name, before anything
+    changes: the request's spec is a free document, and the event's rules (its name
+    an id, its GPU model a name: no control characters, at most 200 characters) are
+    stricter than the inventory parser's."""
+    try:
+        wire.inventory_node(spec)
+    except ValidationError as exc:
+        where, message = first_error(exc)
+        # The message names the rule, never the value (which may be anything).
+        raise NodeRefused(
+            NodeErrorCode.INVALID_SPEC, f"invalid node spec: {where}: {message}", f"spec.{where}"
+        ) from None
 
 
 def _why(operator: str, reason: str, what: str) -> str:

@@ -42,6 +42,7 @@ from . import store, wire
 from .catalog import ErrorCode, refuse
 from .keeper import LedgerKeeper
 from .queue import Clock, JobState
+from .words import some_of
 
 G = TypeVar("G")
 
@@ -318,7 +319,7 @@ class ReplicaOps:
                 "job.scaled",
                 entity=job.job_id,
                 reason=f"replica target {before} -> {request.replicas}"
-                + (f"; released {', '.join(ended)}" if ended else ""),
+                + (f"; released {some_of(ended)}" if ended else ""),
                 details={"from": before, "to": request.replicas, "released": ended},
             )
             await uow.commit()

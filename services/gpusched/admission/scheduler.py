@@ -50,9 +50,10 @@ from .index import QueueIndex
 from .keeper import LedgerKeeper
 from .metrics import PASS_FAILURES, PLACEMENTS, SchedulerView
 from .planning import Grant, JobFailed, Plan, Reserving, Rules, crossed, plan
-from .queue import Clock
+from .queue import Clock, JobState
 from .reservations import Reservation, ReservationEnd, ended_reason, lapsed
 from .store import JobRecord
+from .words import models_words
 
 log = logging.getLogger(__name__)
 _Item = TypeVar("_Item")
@@ -410,13 +411,19 @@ class Scheduler:
     async def _write(self, uow: UnitOfWork, ledger: Ledger, outcome: Plan, now: datetime) -> None:
         """What the plan decided, in a few statements whatever its size."""
         interval = self._catalog.mig_change_interval
+        # Each job's own events are built with the job as the pass's current one: a
+        # failure there sets that job aside (see _culprit) instead of failing every pass.
         for relayout in outcome.relayouts:
+            self._current = (relayout.job, _where(relayout.job))
             await uow.emit_many(
                 mig.layout_outgoing(uow, relayout.changed, relayout.reason, interval)
             )
         for reserving in outcome.reserving:
+            self._current = None
             await store.insert_reservation(uow, reserving.reservation)
+            self._current = (reserving.job, _where(reserving.job))
             await self._audit_reservation(uow, reserving)
+        self._current = None
         for job_id, number in outcome.replica_seqs.items():
             await store.set_replica_seq(uow, job_id, number)
         grants = outcome.grants
@@ -434,21 +441,23 @@ class Scheduler:
             )
             for part in _parts(grants, _WRITE_PART):
                 for some in _parts(part, _BUILD_PART):
-                    await uow.emit_many(
-                        [
-                            event
-                            for grant in some
-                            for event in self._grant_events(uow, ledger, grant)
-                        ]
-                    )
+                    events: list[Outgoing] = []
+                    for grant in some:
+                        self._current = (grant.job, _where(grant.job))
+                        events.extend(self._grant_events(uow, ledger, grant))
+                    self._current = None
+                    await uow.emit_many(events)
                     await asyncio.sleep(0)
                 await uow.flush()
         free: dict[JobKind, dict[Pool, int]] = {}
         for waiting in _parts(outcome.waiting, _WRITE_PART):
             for few in _parts(waiting, _BUILD_PART):
-                await uow.emit_many(
-                    [self._wait_audit(uow, ledger, free, job, attempt) for job, attempt in few]
-                )
+                audits: list[Outgoing] = []
+                for job, attempt in few:
+                    self._current = (job, _where(job))
+                    audits.append(self._wait_audit(uow, ledger, free, job, attempt))
+                self._current = None
+                await uow.emit_many(audits)
                 await asyncio.sleep(0)
             await uow.flush()
             await store.mark_waiting(uow, [job.job_id for job, _ in waiting], now)
@@ -558,8 +567,8 @@ class Scheduler:
             "job.waiting",
             entity=job.job_id,
             reason=(
-                f"needs {job.gpus.count} x {'|'.join(job.gpus.accepted) or 'any model'} in one "
-                f"gang; free now: " + ", ".join(f"{pool} {count}" for pool, count in pools.items())
+                f"needs {job.gpus.count} x {models_words(job.gpus.accepted)} in one gang; "
+                "free now: " + ", ".join(f"{pool} {count}" for pool, count in pools.items())
             ),
             details={
                 "attempt": job.attempt,
@@ -568,6 +577,14 @@ class Scheduler:
                 "reasons": list(attempt.reasons),
             },
         )
+
+
+def _where(job: JobRecord) -> parking.Where | None:
+    """Where a failure while writing what the plan decided for ``job`` is set aside: a
+    running service's top-up is paused (None), a queued job is parked."""
+    if job.state is JobState.RUNNING:
+        return None
+    return parking.Where.PLACEMENT if job.replicas is None else parking.Where.REPLICAS
 
 
 def _parts(items: Sequence[_Item], size: int) -> Iterator[Sequence[_Item]]:
