@@ -300,6 +300,32 @@ async def test_a_sim_job_runs_to_its_last_step_and_is_reported_completed(
     assert cluster.agent.running_allocations == []
 
 
+# Signal-based: without the counted catch-up the event loop never gets back control, so
+# only an alarm can end the test.
+@pytest.mark.timeout(120)
+async def test_a_sim_step_too_short_for_the_clock_finishes_the_run_without_holding_the_agent(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # A 1 ms step under time_scale 1e297 lasts 1e-300 s of wall time: adding it to the
+    # clock changes nothing, and a trillion of them were once taken one by one.
+    hostile = fast_agent(tmp_path, time_scale=1e297)
+    steps = 10**12
+    async with running_cluster(settings, hostile) as c:
+        async with asyncio.timeout(60):
+            await c.start("alloc-h", "job-h", sim(steps=steps, step_seconds=1e-3))
+            # The agent goes on serving: a job started after it runs and ends too.
+            await c.start("alloc-n", "job-n", sim(steps=20, step_seconds=1e-3))
+            events = await c.job_events_until("job-h", _is(T.JOB_COMPLETED))
+            after = await c.job_events_until("job-n", _is(T.JOB_COMPLETED))
+            stopped = await c.agent_events(T.WORKLOAD_STOPPED, 2)
+        assert events[-1].data == {"job_id": "job-h", "step": steps}
+        assert [e.data["step"] for e in events if e.type == T.JOB_PROGRESS] == [steps]
+        assert after[-1].data == {"job_id": "job-n", "step": 20}
+        assert sorted(e.data["allocation_id"] for e in stopped) == ["alloc-h", "alloc-n"]
+        assert {(e.data["reason"], e.data["exit_code"]) for e in stopped} == {("completed", 0)}
+        assert c.agent.running_allocations == []
+
+
 async def test_an_evicted_workload_is_stopped_and_reported_evicted_once_for_its_saga(
     cluster: Cluster,
 ) -> None:

@@ -267,6 +267,35 @@ async def test_a_malformed_statement_request_gets_a_bad_request_reply(
     assert not reply.ok and reply.error is not None and reply.error.code == "bad_request"
 
 
+@pytest.mark.parametrize(
+    ("period_start", "period_end"),
+    [
+        # Year 1 east of UTC, year 9999 west of it: valid times with no UTC value.
+        ("0001-01-01T00:00:00+01:00", None),
+        (None, "9999-12-31T23:59:59-12:00"),
+        ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-12:00"),
+    ],
+    ids=["start", "end", "both"],
+)
+async def test_a_period_beyond_the_calendars_utc_range_is_clamped_to_the_whole_ledger(
+    billing: ServiceRuntime, period_start: str | None, period_end: str | None
+) -> None:
+    await announce(billing, "admission", T.ALLOCATION_GRANTED, granted("a1", gpus=1))
+    await announce(billing, "admission", T.ALLOCATION_RELEASED, released("a1", at(1)))
+    await eventually(lambda: _has_closed_line(billing, "vision"), within=20)
+
+    bounds = {"period_start": period_start, "period_end": period_end}
+    reply = await statement(billing, team="vision", **{k: v for k, v in bounds.items() if v})
+    assert reply.ok, reply.error
+    [bill] = reply.statements
+    [line] = bill.lines
+    assert (line.start, line.end, line.gpu_cost) == (at(0), at(1), Decimal("2.80"))
+    if period_start is not None:
+        assert bill.period_start == datetime.min.replace(tzinfo=UTC)
+    if period_end is not None:
+        assert bill.period_end == datetime.max.replace(tzinfo=UTC)
+
+
 def _bad(message_type: T, data: dict[str, Any]) -> bytes:
     return json.dumps(
         {"id": new_id(), "type": message_type.value, "source": "test",

@@ -42,7 +42,27 @@ class VirtualLoop:
     def progress_every(self) -> int:
         """Report progress about once per wall-clock second, and at least every step
         when steps are slower than that, so the bus carries a steady trickle."""
-        return max(1, math.ceil(1.0 / self.step_interval_s))
+        interval = self.step_interval_s
+        # Capped at the whole run (reported at its last step anyway): a step too short
+        # for a float (1 / interval is infinite, or the interval is 0) still has a count.
+        if interval <= 0 or 1.0 / interval >= self.steps:
+            return self.steps
+        return max(1, math.ceil(1.0 / interval))
+
+    def steps_due(self, step: int, late_s: float) -> int:
+        """How many steps to take at once when the clock is `late_s` seconds past the
+        time the next step was due: that step and one more per whole interval since,
+        never beyond the last step. 0 while the next step is not yet due.
+
+        Arithmetic rather than one step at a time, so catching up costs the same however
+        short a step is (a step that adds nothing to a float clock included)."""
+        left = self.steps - step
+        if late_s < 0 or left <= 0:
+            return 0
+        interval = self.step_interval_s
+        due = late_s / interval + 1.0 if interval > 0 else math.inf
+        # Compared as a float before it becomes an int: the count may be infinite.
+        return left if due >= left else math.floor(due)
 
     def reports_progress(self, step: int) -> bool:
         return step % self.progress_every == 0 or step >= self.steps

@@ -237,6 +237,9 @@ class SimWorkload:
         next_step_at = clock.time() + loop.step_interval_s
         reported = last_saved = step
         while not loop.is_done(step):
+            # A pass through the loop always gives way: with steps due at once (a short
+            # step, a late wake-up) the wait below returns without one.
+            await asyncio.sleep(0)
             message = await job.next_control(max(0.0, next_step_at - clock.time()))
             if isinstance(message, CheckpointRequest):
                 await self._checkpoint(message, step)
@@ -249,9 +252,11 @@ class SimWorkload:
                     log.warning("job %s cannot resume from %s: %s", job.job_id, message, exc)
             elif isinstance(message, PreemptionCancelled):
                 log.info("job %s keeps training: %s cancelled", job.job_id, message.request_id)
-            while clock.time() >= next_step_at and not loop.is_done(step):
-                step += 1
-                next_step_at += loop.step_interval_s
+            # Every step due by now, counted rather than taken one by one: a step too
+            # short to move the clock must not hold the agent's event loop.
+            if due := loop.steps_due(step, clock.time() - next_step_at):
+                step += due
+                next_step_at += due * loop.step_interval_s
             self._step = step
             periodic = self._start.workload.checkpoint_every_steps
             if periodic and step // periodic > last_saved // periodic and not loop.is_done(step):

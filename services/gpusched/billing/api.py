@@ -6,11 +6,11 @@ a string, and a client parsing the reply with these models gets Decimal back.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gpusched.contracts.messages import ApiError, Wire
 from gpusched.contracts.validation import Id, Moment
@@ -39,6 +39,15 @@ class StatementRequest(Wire):
     period_start: Moment | None = None
     period_end: Moment | None = None
 
+    # Runs before the ordering check below, so that check sees the clamped bounds: a
+    # bound whose UTC instant falls outside years 1-9999 (0001-01-01T00:00:00+01:00)
+    # means "since the beginning" or "until the end", and becomes the first or last
+    # representable instant. (Not in the docstring: it is the published schema's text.)
+    @field_validator("period_start", "period_end")
+    @classmethod
+    def _representable_in_utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else clamp_to_utc_range(value)
+
     @model_validator(mode="after")
     def _period_is_ordered(self) -> StatementRequest:
         if (
@@ -48,6 +57,23 @@ class StatementRequest(Wire):
         ):
             raise ValueError("period_end must be after period_start")
         return self
+
+
+def clamp_to_utc_range(moment: datetime) -> datetime:
+    """`moment` as given if it has a UTC value, else the nearest one in years 1-9999.
+
+    An aware time at the very edge of the calendar (year 1 east of UTC, year 9999 west
+    of it) has no UTC datetime; the database driver converts to UTC, so such a bound
+    would fail the request deep inside instead of meaning "from the start" / "to the end".
+    """
+    try:
+        moment.astimezone(UTC)
+    except OverflowError:
+        # An offset east of UTC pushes the instant below year 1; west, above year 9999.
+        offset = moment.utcoffset()
+        east = offset is not None and offset.total_seconds() > 0
+        return (datetime.min if east else datetime.max).replace(tzinfo=UTC)
+    return moment
 
 
 class LineView(Wire):
