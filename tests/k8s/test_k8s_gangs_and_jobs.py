@@ -115,10 +115,15 @@ async def test_a_gangs_pods_are_bound_all_or_none_evicted_together_and_resumed_a
         await eventually(lambda n=name: now(c.api.get("pods", n, "default") is None), within=30)
 
     # The surge ends: the gang is placed again, whole, as two new pods made from its
-    # templates, and rank 0 resumes from the checkpoint it confirmed.
+    # templates, and rank 0 resumes from the checkpoint it confirmed. The API throttles
+    # the first creates (429): an outage the start waits out, not the job's failure.
+    seen = len(c.api.requests)
+    c.api.fail_next("POST", "/namespaces/default/pods", 429, times=2)
     c.inference_util = 0.1
     await eventually(lambda: running(c, job, attempt=2), within=90)
     again = await eventually(lambda: now(_nodes(c, "llm-0-a2", "llm-1-a2")), within=30)
+    creates = [p for m, p in c.api.requests[seen:] if m == "POST" and p.endswith("/default/pods")]
+    assert len(creates) >= 4  # two throttled, then the gang's two pods
     assert sorted(again.values()) == ["shared-00", "shared-01"]
     await _resumed(c, "llm-0-a2", completed["checkpoint"])
     [worker] = await eventually(lambda: now(c.kubelet.of("llm-1-a2")), within=30)

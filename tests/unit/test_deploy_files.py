@@ -1105,6 +1105,26 @@ def test_k8s_agent_webhook_is_called_for_team_labelled_pods_and_fails_closed() -
     assert LEASE == "gpusched-agent"
 
 
+def test_k8s_agent_webhook_port_is_let_in_past_the_default_deny() -> None:
+    """The API server calls the webhook (failurePolicy Fail): if the base's
+    default-deny-ingress dropped the call, every gpusched pod would be refused."""
+    patch = load_yaml(AGENT_K8S / "agent-deployment.yaml")
+    [container] = patch["spec"]["template"]["spec"]["containers"]
+    [webhook] = [p["containerPort"] for p in container["ports"] if p["name"] == "webhook"]
+    labels = k8s_objects("Deployment")["gpusched-agent"]["spec"]["template"]["metadata"]["labels"]
+    policies = [d for d in _agent_k8s_documents() if d["kind"] == "NetworkPolicy"]
+    open_ports = {
+        port["port"]
+        for policy in policies
+        if policy_selects(policy, labels)
+        for rule in policy["spec"]["ingress"]
+        for port in rule["ports"]
+    }
+    assert webhook in open_ports
+    # Only the webhook's port is opened to every source (the API server is no pod).
+    assert open_ports == {webhook}
+
+
 def test_kustomize_renders_the_install_with_the_kubernetes_agent(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1",

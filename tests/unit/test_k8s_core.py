@@ -14,6 +14,7 @@ from tests.support.kubelet import gpu_node, training_pod
 
 from gpusched.agent.kubernetes import labels as L
 from gpusched.agent.kubernetes import mig
+from gpusched.agent.kubernetes.app import AgentMisconfigured, pod_nats_ca
 from gpusched.agent.kubernetes.nodes import (
     Action,
     KnownNode,
@@ -31,6 +32,7 @@ from gpusched.agent.kubernetes.pods import (
     crowd_refusal,
     crowded_controllers,
     gang_outcome,
+    job_secret,
     outcome,
     read_pod,
     submission,
@@ -41,6 +43,7 @@ from gpusched.agent.kubernetes.pods import (
 from gpusched.agent.kubernetes.quantity import QuantityError, count, mebibytes, milli
 from gpusched.agent.kubernetes.webhook import review_response, wired
 from gpusched.contracts.messages import GpuRef, NodeState, StopReason
+from gpusched.infra.tls import TlsSettings
 
 
 def _pod(name: str = "train", **kw: Any) -> dict[str, Any]:
@@ -379,6 +382,53 @@ def test_the_webhook_wires_secret_env_credentials_and_claim_without_any_secret_v
     again = wired(out, "gpusched-def")
     assert json.dumps(again).count("gpusched-abc") == 0
     assert again["metadata"]["annotations"][L.GPUS] == "4"
+
+
+def test_the_webhook_labels_the_pod_a_nats_client_and_mounts_the_ca_with_the_credentials() -> None:
+    out = wired(_pod(), "gpusched-abc")
+    # The install's NetworkPolicy admits pods with this label to NATS (deploy/k8s).
+    assert out["metadata"]["labels"][L.NATS_CLIENT] == "true"
+    assert out["metadata"]["labels"][L.TEAM] == "vision"
+    [volume] = [v for v in out["spec"]["volumes"] if v["name"] == "gpusched"]
+    assert volume["secret"]["optional"] is True  # the CA key is there only with TLS
+    assert {i["key"]: i["path"] for i in volume["secret"]["items"]} == {
+        L.CREDENTIALS_KEY: L.CREDENTIALS_KEY,
+        L.NATS_CA_KEY: L.NATS_CA_KEY,
+    }
+    env = {e["name"] for e in out["spec"]["containers"][0]["env"]}
+    assert "GPUSCHED_NATS_TLS__CA_FILE" in env
+
+
+def test_a_jobs_secret_holds_the_nats_ca_only_when_there_is_one() -> None:
+    pod = _pod()
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    environ = {"GPUSCHED_NATS_TLS__CA_FILE": f"{L.SECRET_MOUNT}/{L.NATS_CA_KEY}"}
+    secret = job_secret(pod, "gpusched-abc", environ, "creds", pem)
+    assert base64.b64decode(secret["data"][L.NATS_CA_KEY]).decode() == pem
+    assert base64.b64decode(secret["data"]["GPUSCHED_NATS_TLS__CA_FILE"]).decode() == (
+        "/var/run/gpusched/nats-ca.crt"
+    )
+    assert L.NATS_CA_KEY not in job_secret(pod, "gpusched-abc", {}, "creds")["data"]
+
+
+def test_the_pods_nats_ca_is_the_one_given_else_the_agents_own_and_must_be_a_pem(
+    tmp_path: Path,
+) -> None:
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    given, own = tmp_path / "pods-ca.crt", tmp_path / "ca.crt"
+    given.write_text(pem + "given")
+    own.write_text(pem)
+    assert pod_nats_ca(given, TlsSettings(ca_file=own)) == pem + "given"
+    assert pod_nats_ca(None, TlsSettings(ca_file=own)) == pem
+    assert pod_nats_ca(None, None) is None
+    assert pod_nats_ca(None, TlsSettings()) is None
+    own.write_text("not a certificate")
+    with pytest.raises(AgentMisconfigured, match=r"GPUSCHED_NATS_TLS__CA_FILE: .* no PEM"):
+        pod_nats_ca(None, TlsSettings(ca_file=own))
+    with pytest.raises(AgentMisconfigured, match=r"POD_NATS_CA_FILE: cannot read the CA"):
+        pod_nats_ca(tmp_path / "missing.crt", None)
+    with pytest.raises(AgentMisconfigured, match=r"POD_NATS_CA_FILE: cannot read .*device"):
+        pod_nats_ca(Path("/dev/zero"), None)
 
 
 def test_the_admission_review_patch_turns_the_pod_into_the_wired_pod() -> None:

@@ -290,6 +290,10 @@ class KubernetesSettings(Section):
     # The NATS URL pods reach the control plane at (default: the agent's, without its
     # credentials).
     pod_nats_url: str | None = None
+    # The CA (PEM) job pods verify the NATS server's certificate with; default: the
+    # agent's own (nats_tls.ca_file). It goes into each job's Secret, mounted in the pod
+    # at /var/run/gpusched/nats-ca.crt, and the job's GPUSCHED_NATS_TLS__CA_FILE names it.
+    pod_nats_ca_file: Path | None = None
 
 
 class AgentSettings(Section):

@@ -62,6 +62,7 @@ from gpusched.contracts.messages import (
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra.errors import Rejected, Unavailable
 from gpusched.infra.settings import KubernetesSettings
+from gpusched.infra.tls import TlsSettings
 from gpusched.sdk.environment import JobEnvironment
 
 from . import labels as L
@@ -103,6 +104,9 @@ _RESEND_S = 20.0
 _CONFLICT_RETRIES = 5
 _REMEMBERED_STOPS = 10_000
 _SUBMITS_AT_ONCE = 16
+# A pod whose submit admission failed on unexpectedly (an `internal` answer) is
+# submitted again after this long.
+_RETRY_FAILED_SUBMIT_S = 30.0
 # How long a start waits for a Job controller to make the pods of a later attempt.
 _CONTROLLER_POD_WAIT_S = 30.0
 
@@ -145,6 +149,7 @@ class KubernetesAgent:
         api: NatsClient | None = None,
         agent_id: str,
         nats_url: str,
+        nats_ca: str | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.kube = kube
@@ -157,6 +162,8 @@ class KubernetesAgent:
         self._api = api or nc
         self.agent_id = agent_id
         self._pod_nats_url = settings.pod_nats_url or without_credentials(nats_url)
+        # The CA the job pods verify NATS's certificate with (PEM), in their Secrets.
+        self._pod_nats_ca = nats_ca
         self._now = clock
         self._reports = Reports(publisher, subjects, clock)
         self._names = DraNames(
@@ -192,8 +199,10 @@ class KubernetesAgent:
         self._node_problems: dict[str, str] = {}
         self._refused: dict[Key, str] = {}
         # Refusals that a change of the cluster may lift, and which change: the pod's
-        # namespace getting its team ("namespace"), or a GPU node joining ("capacity").
+        # namespace getting its team ("namespace"), a GPU node joining ("capacity"), or
+        # time passing after admission failed on the submit ("retry").
         self._may_lift: dict[Key, str] = {}
+        self._refused_at: dict[Key, float] = {}  # monotonic time of the refusal
         self._mig: dict[str, _MigChange] = {}
         self._announced_at: int | None = None
         self._closing = False
@@ -219,6 +228,7 @@ class KubernetesAgent:
         for key in lifted:
             del self._may_lift[key]
             self._refused.pop(key, None)
+            self._refused_at.pop(key, None)
         if lifted:
             self._wake.set()
 
@@ -384,6 +394,13 @@ class KubernetesAgent:
         for key in [k for k in self._refused if k not in self.pods.cache]:
             self._refused.pop(key, None)  # the pod is gone: so is its refusal
             self._may_lift.pop(key, None)
+            self._refused_at.pop(key, None)
+        now = time.monotonic()
+        self._lift(
+            lambda key, why: (
+                why == "retry" and now - self._refused_at.get(key, now) >= _RETRY_FAILED_SUBMIT_S
+            )
+        )
         pods = self._pods()
         groups: dict[tuple[str, str], list[GpuschedPod]] = defaultdict(list)
         by_alloc: dict[str, list[GpuschedPod]] = defaultdict(list)
@@ -476,11 +493,23 @@ class KubernetesAgent:
         )
         if not reply.ok or reply.job_id is None:
             message = reply.error.message if reply.error else "refused"
-            unsatisfiable = reply.error is not None and reply.error.code == "unsatisfiable"
+            code = reply.error.code if reply.error else None
+            if code == "unavailable":
+                # Admission is waiting out its own outage: not a verdict on the pod.
+                raise Unavailable(f"admission could not take the submit: {message}")
+            if code == "internal":
+                # Admission failed on it unexpectedly: said on the pod, tried again later.
+                await self._refuse(
+                    members,
+                    f"gpusched could not take the job ({message}); trying again in "
+                    f"{_RETRY_FAILED_SUBMIT_S:.0f} s",
+                    lifted_by="retry",
+                )
+                return
             await self._refuse(
                 members,
                 f"gpusched refused the job: {message}",
-                lifted_by="capacity" if unsatisfiable else None,
+                lifted_by="capacity" if code == "unsatisfiable" else None,
             )
             return
         for m in members:
@@ -497,6 +526,7 @@ class KubernetesAgent:
         log.warning("not submitting %s: %s", ", ".join(m.name for m in members), why)
         for m in members:
             self._refused[m.key] = why
+            self._refused_at[m.key] = time.monotonic()
             if lifted_by is not None:
                 self._may_lift[m.key] = lifted_by
             with contextlib.suppress(NotFound, Conflict):
@@ -742,6 +772,8 @@ class KubernetesAgent:
                 notes = existing["metadata"].get("annotations") or {}
                 if notes.get(L.JOB_ID) == job_id:
                     return existing
+            except TooManyRequests:
+                raise  # the API throttles: an outage to wait out, the start is applied again
             except KubeError as exc:
                 raise StartFailed(f"cannot create pod {candidate}: {exc.message}") from None
         raise StartFailed(f"pods named {name} already exist in {namespace} and are not its own")
@@ -807,9 +839,12 @@ class KubernetesAgent:
             resume_checkpoint_id=resume.checkpoint_id if resume else None,
             checkpoint_dir=Path(pod.checkpoint_dir) if pod.checkpoint_dir else None,
             credentials=Path(L.SECRET_MOUNT) / L.CREDENTIALS_KEY if start.credentials else None,
+            nats_tls=None
+            if self._pod_nats_ca is None
+            else TlsSettings(ca_file=Path(L.SECRET_MOUNT) / L.NATS_CA_KEY),
         ).to_environ()
         environ.update(mps_environment(start.share))
-        secret = job_secret(obj, pod.handle, environ, start.credentials)
+        secret = job_secret(obj, pod.handle, environ, start.credentials, self._pod_nats_ca)
         try:
             await self.kube.create_secret(pod.namespace, secret)
         except Conflict:

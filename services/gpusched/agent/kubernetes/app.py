@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from gpusched.agent.feed import caught_up, follow_admission
@@ -19,6 +20,7 @@ from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import bus, tls
 from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.textfiles import FileRefused, read_small_text
 
 from .agent import KubernetesAgent
 from .kube import Kube, connect
@@ -86,6 +88,7 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
         api=api,
         agent_id=identity,
         nats_url=nats_url,
+        nats_ca=pod_nats_ca(settings.pod_nats_ca_file, rt.settings.nats_tls),
     )
     rt.consume(
         bus.Consumer(
@@ -124,6 +127,23 @@ async def start_kubernetes_agent(rt: ServiceRuntime) -> KubernetesAgent:
     rt.every("ready", _READY_CHECK_S, announce)
     rt.on_close(agent.close)
     return agent
+
+
+def pod_nats_ca(given: Path | None, own: tls.TlsSettings | None) -> str | None:
+    """The CA (PEM) job pods verify NATS with: the one given for pods, else the agent's
+    own; None when neither is set (a plain NATS, or one whose certificate the pods'
+    system trust store verifies)."""
+    path = given if given is not None else None if own is None else own.ca_file
+    if path is None:
+        return None
+    what = "GPUSCHED_AGENT__KUBERNETES__POD_NATS_CA_FILE" if given else "GPUSCHED_NATS_TLS__CA_FILE"
+    try:
+        text = read_small_text(path)
+    except (OSError, UnicodeDecodeError, FileRefused) as exc:
+        raise AgentMisconfigured(f"{what}: cannot read the CA {path}: {exc}") from None
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        raise AgentMisconfigured(f"{what}: {path} holds no PEM certificate")
+    return text
 
 
 def command_key(envelope: Envelope) -> str | None:

@@ -31,6 +31,9 @@ CHECKPOINT_DIR: Final = f"{DOMAIN}/checkpoint-dir"  # annotation: where the job 
 HANDLE: Final = f"{DOMAIN}/handle"
 # The GPUs the pod asked for (its nvidia.com/gpu limits, moved to the claim).
 GPUS: Final = f"{DOMAIN}/gpus"
+# label "true": the pod is a NATS client (the install's NetworkPolicy admits such pods
+# to NATS; from another namespace only if that namespace carries it too).
+NATS_CLIENT: Final = f"{DOMAIN}/nats-client"
 
 # --- written by the agent -----------------------------------------------------------
 JOB_ID: Final = f"{DOMAIN}/job-id"
@@ -56,3 +59,5 @@ MIG_CONFIG_STATE: Final = "nvidia.com/mig.config.state"
 POD_GPU_CLAIM: Final = "gpusched-gpus"  # the pod's resourceClaims entry
 SECRET_MOUNT: Final = "/var/run/gpusched"
 CREDENTIALS_KEY: Final = "nats.creds"
+# The CA of the NATS server, in the Secret and the pod's volume (when NATS has TLS).
+NATS_CA_KEY: Final = "nats-ca.crt"

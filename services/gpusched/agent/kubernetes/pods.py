@@ -523,13 +523,20 @@ def owner_reference(pod: Mapping[str, Any]) -> Obj:
 
 
 def job_secret(
-    pod: Mapping[str, Any], handle: str, environ: Mapping[str, str], credentials: str | None
+    pod: Mapping[str, Any],
+    handle: str,
+    environ: Mapping[str, str],
+    credentials: str | None,
+    nats_ca: str | None = None,
 ) -> Obj:
-    """The Secret the pod mounts: its job's environment (the SDK's variables) and its
-    NATS credentials file. Owned by the pod, so it goes when the pod goes."""
+    """The Secret the pod mounts: its job's environment (the SDK's variables), its
+    NATS credentials file and the CA of NATS's certificate (PEM), when NATS has TLS.
+    Owned by the pod, so it goes when the pod goes."""
     data = {k: _b64(v) for k, v in environ.items()}
     if credentials is not None:
         data[L.CREDENTIALS_KEY] = _b64(credentials)
+    if nats_ca is not None:
+        data[L.NATS_CA_KEY] = _b64(nats_ca)
     meta = pod.get("metadata") or {}
     return {
         "apiVersion": "v1",

@@ -49,6 +49,8 @@ def wired(pod: Mapping[str, Any], handle: str) -> dict[str, Any]:
     notes = meta.setdefault("annotations", {})
     gpus = requested_gpus(pod) or int(notes.get(L.GPUS, "0") or 0)
     notes[L.HANDLE] = handle
+    # The job reports to NATS: the install's NetworkPolicy admits pods with this label.
+    meta.setdefault("labels", {})[L.NATS_CLIENT] = "true"
     notes[L.GPUS] = str(gpus)
     spec["resourceClaims"] = [
         c for c in spec.get("resourceClaims") or [] if c.get("name") != L.POD_GPU_CLAIM
@@ -58,7 +60,11 @@ def wired(pod: Mapping[str, Any], handle: str) -> dict[str, Any]:
             "name": VOLUME,
             "secret": {
                 "secretName": handle,
-                "items": [{"key": L.CREDENTIALS_KEY, "path": L.CREDENTIALS_KEY}],
+                # Optional keys: the CA is there only when NATS has TLS.
+                "items": [
+                    {"key": L.CREDENTIALS_KEY, "path": L.CREDENTIALS_KEY},
+                    {"key": L.NATS_CA_KEY, "path": L.NATS_CA_KEY},
+                ],
                 "defaultMode": 0o444,
                 "optional": True,
             },
@@ -95,17 +101,14 @@ def mutate(pod: Mapping[str, Any], handle: str) -> list[dict[str, Any]]:
     """JSONPatch operations that turn `pod` into `wired(pod, handle)`."""
     out = wired(pod, handle)
     ops: list[dict[str, Any]] = [{"op": "replace", "path": "/spec", "value": out["spec"]}]
-    if "annotations" in (pod.get("metadata") or {}):
+    had = pod.get("metadata") or {}
+    for part in ("annotations", "labels"):
         ops.append(
             {
-                "op": "replace",
-                "path": "/metadata/annotations",
-                "value": out["metadata"]["annotations"],
+                "op": "replace" if part in had else "add",
+                "path": f"/metadata/{part}",
+                "value": out["metadata"][part],
             }
-        )
-    else:
-        ops.append(
-            {"op": "add", "path": "/metadata/annotations", "value": out["metadata"]["annotations"]}
         )
     return ops
 
