@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import socket
+
+import pytest
 
 from gpusched.contracts.errors import MalformedMessage
+from gpusched.infra.db import create_engine
 from gpusched.infra.errors import Rejected, Unavailable, is_outage
 
 
@@ -44,3 +49,24 @@ def test_message_faults_are_not_outages() -> None:
     assert not is_outage(ValueError("bad value"))
     assert not is_outage(KeyError("missing"))
     assert not is_outage(OSError(errno.ENOENT, "no such file"))
+
+
+def test_a_name_that_does_not_resolve_is_an_outage_and_other_resolver_answers_are_not() -> None:
+    # `docker compose restart postgres`: the service's DNS name goes while it restarts.
+    assert is_outage(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert is_outage(socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"))
+    # A request the resolver cannot answer at all is this process's fault, not a server's.
+    assert not is_outage(socket.gaierror(socket.EAI_SERVICE, "Servname not supported"))
+    assert not is_outage(socket.gaierror(socket.EAI_BADFLAGS, "Bad value for ai_flags"))
+
+
+async def test_a_database_host_that_does_not_resolve_is_an_outage_as_sqlalchemy_raises_it() -> None:
+    engine = create_engine("postgresql+asyncpg://u:p@no-such-host.invalid:5432/db")
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(Exception) as raised:  # whatever the driver raises
+                async with engine.connect():
+                    pass
+    finally:
+        await engine.dispose()
+    assert is_outage(raised.value), repr(raised.value)

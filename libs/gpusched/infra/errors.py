@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import socket
 
 from gpusched.contracts.errors import MalformedMessage
 
@@ -39,6 +40,19 @@ _CONNECTION_ERRNOS = frozenset(
         errno.ENOTCONN,
     }
 )
+# getaddrinfo's answers while a name cannot be resolved for now: no such name (yet),
+# a temporary failure, no address, a resolver that failed.
+_RESOLVER_OUTAGES = frozenset(
+    code
+    for code in (
+        socket.EAI_NONAME,
+        socket.EAI_AGAIN,
+        socket.EAI_FAIL,
+        getattr(socket, "EAI_NODATA", None),
+        getattr(socket, "EAI_ADDRFAMILY", None),
+    )
+    if code is not None
+)
 # PostgreSQL SQLSTATE classes of an unavailable server: 08 connection exception,
 # 57P01-57P03 admin/crash shutdown and "cannot connect now", 53300 too many connections.
 _OUTAGE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300")
@@ -61,6 +75,10 @@ def _is_outage_one(exc: BaseException) -> bool:
     if isinstance(exc, Unavailable | TimeoutError | asyncio.TimeoutError | ConnectionError):
         return True
     if isinstance(exc, OSError) and exc.errno in _CONNECTION_ERRNOS:
+        return True
+    if isinstance(exc, socket.gaierror) and exc.errno in _RESOLVER_OUTAGES:
+        # The server's name does not resolve right now: its DNS record goes while it
+        # restarts (a compose service, a StatefulSet pod), or DNS itself is down.
         return True
     module = type(exc).__module__ or ""
     name = type(exc).__name__
