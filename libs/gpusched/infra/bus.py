@@ -41,6 +41,7 @@ from gpusched.infra.db import UnitOfWork, UnitOfWorkFactory
 from gpusched.infra.errors import Rejected, is_outage
 from gpusched.infra.outages import Outage, describe
 from gpusched.infra.tls import server_name
+from gpusched.infra.watchdog import FLUSH_TIMEOUT_S, ConnectionWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,19 @@ UNAVAILABLE_MESSAGE = (
 )
 
 
+# A server that went silent (its process frozen, its host gone without a FIN) is
+# noticed after PING_INTERVAL_S x MAX_OUTSTANDING_PINGS (infra.watchdog for the rest).
+PING_INTERVAL_S: Final = 10.0
+MAX_OUTSTANDING_PINGS: Final = 3
+
+
 async def connect(
     url: str,
     name: str,
     credentials: Path | None = None,
     *,
     tls: ssl.SSLContext | None = None,
+    ping_interval_s: float = PING_INTERVAL_S,
 ) -> NatsClient:
     """A NATS connection that reconnects forever (nats-py does it by itself) and says
     so in one log line when it drops and one when it is back. `credentials`: the
@@ -76,8 +84,12 @@ async def connect(
     (infra.tls) is the context of a server that requires TLS (or a tls:// URL).
 
     While it is away, publishes queue in a bounded buffer (`pending_size`) and are sent
-    on reconnect; a full buffer raises OutboundBufferLimitError, an outage."""
+    on reconnect; a full buffer raises OutboundBufferLimitError, an outage. A server
+    that stops answering without closing the connection is noticed within
+    `ping_interval_s` x 3, and then reconnected to like one that went away (never a
+    wait without end: see infra.watchdog)."""
     logger = logging.getLogger(f"{__name__}.connection")
+    watchdog = ConnectionWatchdog(name, logger)
 
     async def on_error(exc: Exception) -> None:
         # Called for every failed reconnect attempt too: those are the outage itself,
@@ -94,6 +106,9 @@ async def connect(
     async def on_reconnected() -> None:
         logger.warning("%s: reconnected to NATS", name)
 
+    async def on_closed() -> None:
+        watchdog.stop()
+
     nc = NatsClient()
     await nc.connect(
         url,
@@ -102,16 +117,19 @@ async def connect(
         reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; a float works
         connect_timeout=5,
         # A half-open connection (server host gone without a FIN) is noticed in ~30 s.
-        ping_interval=10,
-        max_outstanding_pings=3,
+        ping_interval=ping_interval_s,  # type: ignore[arg-type]  # seconds; a float works
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         pending_size=16 * 1024 * 1024,
+        flush_timeout=FLUSH_TIMEOUT_S,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
+        closed_cb=on_closed,
         **natsauth.connect_options(credentials),  # type: ignore[arg-type]
         tls=tls,
         tls_hostname=server_name(tls),
     )
+    watchdog.start(nc)
     return nc
 
 

@@ -128,6 +128,7 @@ class ServiceRuntime:
                 poll_interval_s=self.settings.outbox.poll_interval_s,
                 nats_connected=lambda: self.nc.is_connected,
                 tls=self._database_tls,
+                subjects=self.subjects,
             )
         self._register_health_checks()
         self.health.stage = Stage.BUILDING
@@ -333,8 +334,10 @@ class ServiceRuntime:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 10)
         if not self.nc.is_closed:
+            # Bounded too: close() flushes to the socket first, which a server that
+            # stopped reading never empties.
             with contextlib.suppress(Exception):
-                await self.nc.close()
+                await asyncio.wait_for(self.nc.close(), 10)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.engine.dispose(), 10)
         metrics.UP.labels(self.name).set(0)
