@@ -275,3 +275,62 @@ async def test_a_leader_whose_database_restarts_stops_leading_until_it_takes_the
     finally:
         await lease.release()
         await asyncio.to_thread(pg.stop)
+
+
+async def test_an_event_nats_refuses_for_its_size_is_parked_and_the_events_behind_it_go_out(
+    servers: Servers, database_url: str, prefix: str, tmp_path: Path
+) -> None:
+    security = await install(servers, prefix, tmp_path / "auth")
+    settings = Settings(
+        nats_url=servers.nats_url,
+        nats_credentials=harness_credentials_in(security),
+        database_url=database_url,
+        subject_prefix=prefix,
+        data_dir=tmp_path / "data",
+        security=security,
+    )
+    async with probe(settings) as (runtime, task):
+        parked_before = (
+            REGISTRY.get_sample_value("gpusched_outbox_parked_total", {"service": SERVICE}) or 0.0
+        )
+        huge = runtime.nc.max_payload + 1
+        async with runtime.uow() as uow:
+            # One event over the server's max_payload, committed between two others.
+            for step in (1, 2, 3):
+                notes = {f"note{n}": "x" * 60_000 for n in range(huge // 60_000 + 1)}
+                data = JobProgress(step=step, **(notes if step == 2 else {}))
+                await uow.emit(runtime.subjects.event(SERVICE, RECORDED), RECORDED, data)
+            await uow.commit()
+        # Before: every later event waited behind the refused one, for ever.
+        recorded = await stream_messages(
+            runtime.js, runtime.subjects.event(SERVICE, RECORDED), 2, within=30
+        )
+        assert [Envelope.from_bytes(m.data).data["step"] for m in recorded] == [1, 3]
+        async with runtime.uow() as uow:
+            rows = (
+                await uow.execute(
+                    "SELECT subject, length(payload) AS size, error FROM probe.outbox_parked"
+                )
+            ).all()
+            left = (await uow.execute("SELECT count(*) FROM probe.outbox")).scalar_one()
+        assert left == 0
+        [row] = rows
+        assert row.subject == runtime.subjects.event(SERVICE, RECORDED)
+        assert row.size > huge and "MaxPayload" in row.error
+        assert (
+            REGISTRY.get_sample_value("gpusched_outbox_parked_total", {"service": SERVICE})
+            == parked_before + 1
+        )
+        [audit] = await stream_messages(
+            runtime.js, runtime.subjects.audit("outbox.parked"), 1, within=30
+        )
+        assert Envelope.from_bytes(audit.data).data["details"]["bytes"] == row.size
+        # The relay goes on: a later event is published as usual.
+        async with runtime.uow() as uow:
+            await uow.emit(runtime.subjects.event(SERVICE, RECORDED), RECORDED, JobProgress(step=4))
+            await uow.commit()
+        recorded = await stream_messages(
+            runtime.js, runtime.subjects.event(SERVICE, RECORDED), 3, within=30
+        )
+        assert Envelope.from_bytes(recorded[-1].data).data["step"] == 4
+        assert not task.done()

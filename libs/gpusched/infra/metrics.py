@@ -54,6 +54,11 @@ OUTBOX_OLDEST_UNPUBLISHED = Gauge(
 OUTBOX_UNPUBLISHED = Gauge(
     "gpusched_outbox_unpublished_rows", "Outbox rows not yet published", ["service"]
 )
+OUTBOX_PARKED = Counter(
+    "gpusched_outbox_parked_total",
+    "Outbox rows set aside in outbox_parked because NATS refused them for what they are",
+    ["service"],
+)
 OUTAGES = Counter(
     "gpusched_outages_total",
     "Times a component found PostgreSQL or NATS unreachable and began waiting it out",

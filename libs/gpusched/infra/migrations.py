@@ -88,6 +88,26 @@ def create_outbox_and_inbox(schema: str) -> None:
     )
 
 
+def create_outbox_parked(schema: str) -> None:
+    """Where the outbox relay sets aside a row that can never be published (NATS refuses
+    it for what it is, e.g. over the server's max_payload), so the rows behind it go on;
+    an operator publishes or drops it (docs/operating.md, "Parked outbox rows")."""
+    op.execute(
+        f"""
+        CREATE TABLE {schema}.outbox_parked (
+            seq        bigint PRIMARY KEY,
+            id         text NOT NULL,
+            subject    text NOT NULL,
+            payload    bytea NOT NULL,
+            headers    jsonb NOT NULL,
+            created_at timestamptz NOT NULL,
+            parked_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+            error      text NOT NULL
+        )
+        """
+    )
+
+
 def migrations_dir(service_file: str) -> Path:
     """`migrations/` beside a service module (pass `__file__`)."""
     return Path(service_file).resolve().parent / "migrations"

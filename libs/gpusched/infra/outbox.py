@@ -13,6 +13,11 @@
 - `gpusched_outbox_oldest_unpublished_seconds` is the age of the oldest row still
   waiting (0 when empty), refreshed every poll: it rises during any outage, unlike the
   commit-to-publish histogram that only sees rows once they are published.
+- A row NATS refuses for what it is (over the server's max_payload, a subject no
+  stream takes) would fail every batch it is in, and every row behind it would wait:
+  after a batch fails so, the rows are published one at a time, and each one refused
+  on its own is moved to `outbox_parked` (logged, counted in
+  `gpusched_outbox_parked_total`, audited as `outbox.parked`); the rest go on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import logging
 import ssl
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +37,10 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import TooManyStalledMsgsError
 
-from gpusched.contracts.subjects import check_token
+from gpusched.contracts.envelope import make_envelope, utcnow
+from gpusched.contracts.messages import AuditRecord, T
+from gpusched.contracts.subjects import Subjects, check_token
+from gpusched.contracts.validation import printable
 from gpusched.infra import metrics
 from gpusched.infra.db import asyncpg_dsn, notify_channel
 from gpusched.infra.errors import Unavailable, is_outage
@@ -65,6 +74,7 @@ class OutboxRelay:
         poll_interval_s: float = 0.5,
         nats_connected: Callable[[], bool] | None = None,
         tls: ssl.SSLContext | None = None,
+        subjects: Subjects | None = None,
     ) -> None:
         self._js = js
         # While NATS is away, publishing would only pile copies of the batch into the
@@ -85,6 +95,14 @@ class OutboxRelay:
         self._outage = Outage(log, service, f"outbox relay {self._schema}")
         self._stopped = asyncio.Event()
         self._backlog_checked = 0.0  # monotonic time of the last gauge refresh
+        # Where `outbox.parked` audit records go.
+        self._subjects = Subjects() if subjects is None else subjects
+        self._park_sql = (
+            f"INSERT INTO {self._schema}.outbox_parked "
+            f"(seq, id, subject, payload, headers, created_at, error) "
+            f"VALUES ($1, $2, $3, $4, $5::jsonb, to_timestamp($6), $7) "
+            f"ON CONFLICT (seq) DO NOTHING"
+        )
         self._backlog_sql = (
             f"SELECT count(*), COALESCE(extract(epoch from now() - ("
             f"SELECT created_at FROM {self._schema}.outbox ORDER BY seq LIMIT 1)), 0)::float8 "
@@ -118,7 +136,15 @@ class OutboxRelay:
                 if is_outage(exc) or isinstance(exc, TooManyStalledMsgsError):
                     self._outage.begin(exc)
                 else:
-                    log.exception("outbox relay for %s failed; retrying", self._schema)
+                    log.warning(
+                        "outbox relay for %s: a batch failed (%r); publishing its rows one "
+                        "at a time to set aside the one NATS refuses",
+                        self._schema,
+                        exc,
+                    )
+                    with contextlib.suppress(Exception):
+                        await self._isolate(self._batch)
+                        continue  # every row of the batch published or set aside
                 await self._close_broken()
                 # A refresh while NATS is away still reaches PostgreSQL: the gauge rises.
                 with contextlib.suppress(Exception):
@@ -243,6 +269,69 @@ class OutboxRelay:
         self.published += len(rows)
         self.batches += 1
         return len(rows)
+
+    async def _isolate(self, rows: int) -> None:
+        """Publish up to `rows` rows one at a time, each in its own transaction; a row
+        refused for what it is goes to outbox_parked. An outage raises (the rows stay)."""
+        assert self._conn is not None
+        for _ in range(rows):
+            parked: tuple[int, str, str, int, str] | None = None
+            async with self._conn.transaction():
+                claimed = await self._conn.fetch(self._claim_sql, 1)
+                if not claimed:
+                    return
+                seq, msg_id, subject, payload, raw_headers, created = claimed[0]
+                headers = json.loads(raw_headers) if raw_headers != "{}" else {}
+                headers["Nats-Msg-Id"] = msg_id
+                try:
+                    await asyncio.wait_for(
+                        self._js.publish(subject, payload, headers=headers), ACK_TIMEOUT_S
+                    )
+                except Exception as exc:
+                    if is_outage(exc) or isinstance(exc, TooManyStalledMsgsError):
+                        raise
+                    error = f"{type(exc).__name__}: {exc}"[:2000]
+                    await self._conn.execute(self._park_sql, seq, msg_id, subject, payload,
+                                             raw_headers, created, error)  # fmt: skip
+                    parked = (seq, msg_id, subject, len(payload), error)
+            if parked is not None:
+                await self._parked(*parked)
+            else:
+                metrics.OUTBOX_PUBLISHED.labels(self._service).inc()
+                self.published += 1
+
+    async def _parked(self, seq: int, msg_id: str, subject: str, size: int, error: str) -> None:
+        """Say that a row was set aside: log, metric, and (best effort: the row itself is
+        the record) an audit record."""
+        metrics.OUTBOX_PARKED.labels(self._service).inc()
+        log.error(
+            "outbox relay for %s: NATS refused row %d (%s, %d bytes, %s): set aside in "
+            "%s.outbox_parked (docs/operating.md, 'Parked outbox rows')",
+            self._schema, seq, subject, size, error, self._schema,
+        )  # fmt: skip
+        record = AuditRecord(
+            action="outbox.parked",
+            actor=self._service,
+            entity=printable(msg_id, 200),
+            reason=printable(f"NATS refused the event for {subject} ({size} bytes): {error}", 1000),
+            details={"seq": seq, "subject": subject, "bytes": size, "schema": self._schema},
+            time=utcnow(),
+        )
+        envelope = make_envelope(
+            T.AUDIT,
+            record,
+            source=self._service,
+            envelope_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"outbox.parked/{msg_id}")),
+        )
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self._js.publish(
+                    self._subjects.audit("outbox.parked"),
+                    envelope.to_bytes(),
+                    headers={"Nats-Msg-Id": envelope.id},
+                ),
+                ACK_TIMEOUT_S,
+            )
 
     def stats(self) -> RelayStats:
         return RelayStats(self.published, self.batches)
