@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from itertools import pairwise
@@ -113,6 +114,21 @@ _ENDED: Final[Mapping[Outcome, AuditAction]] = {
     Outcome.DEADLINE_FORCED: AuditAction.EVICTION_FORCED,
     Outcome.CHECKPOINT_FAILED_FORCED: AuditAction.EVICTION_FORCED,
 }
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job's checkpoint claim as read from its checkpoint.confirmed, with the verdict
+    reached without the database: storage's, or `malformed` (then `scheme` is None);
+    None where storage cannot read the scheme (the job's class and the trust decide)."""
+
+    message_id: str
+    job_id: str
+    request_id: str | None
+    ref: CheckpointRef
+    kind: wire.CheckpointKind
+    scheme: str | None
+    verdict: Verdict | None
 
 
 def saga_id_for(request_id: str) -> str:
@@ -223,6 +239,12 @@ class SagaHandlers:
     # --- job events -----------------------------------------------------------------------
 
     async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
+        await self.apply_claim(await self.read_claim(envelope), uow)
+
+    async def read_claim(self, envelope: Envelope) -> Claim:
+        """A checkpoint.confirmed and what storage says of its claim, without the
+        database: storage is read (up to the verification budget, never longer) before
+        any saga row is locked; `apply_claim` then judges and applies it."""
         confirmed = envelope.payload(wire.CheckpointConfirmed)
         job_id = _job_of(envelope)
         ref = CheckpointRef(
@@ -233,47 +255,57 @@ class SagaHandlers:
             sha256=confirmed.sha256,
             stage=Stage(confirmed.stage.value),
         )
-        # Read storage before locking any saga row: hashing can take a while.
-        verdict, facts = await self._check(uow, job_id, ref, confirmed.kind)
+        scheme: str | None
+        verdict: Verdict | None
+        try:
+            scheme = uri_scheme(ref.uri)
+        except MalformedUri as exc:
+            scheme, verdict = None, Verdict(ClaimCheck.MALFORMED, str(exc))
+        else:
+            verdict = await self._storage.verify(ref, confirmed.kind)
+        return Claim(
+            envelope.id, job_id, confirmed.request_id, ref, confirmed.kind, scheme, verdict
+        )
+
+    async def apply_claim(self, claim: Claim, uow: UnitOfWork) -> None:
+        """Catalogue and apply a claim storage was read for (`read_claim`), or audit why
+        it does not count."""
+        job_id, ref = claim.job_id, claim.ref
+        verdict, facts = await self._judge(uow, claim)
         uow.on_commit(lambda: metrics.claim_judged(verdict.check))
         now = self._now()
-        sagas = await store.lock_live_by_job(uow, job_id, confirmed.request_id)
+        sagas = await store.lock_live_by_job(uow, job_id, claim.request_id)
         if not verdict.counts:
             # Not catalogued (a resume must not load it) and not applied: the saga keeps
             # waiting, and its deadline decides if no true confirmation follows.
             await _unverified(
-                uow, job_id, confirmed.request_id, ref, verdict, facts, sagas, envelope.id
+                uow, job_id, claim.request_id, ref, verdict, facts, sagas, claim.message_id
             )
             return
-        catalogued = await store.record_checkpoint(uow, job_id, confirmed.request_id, ref, now)
+        catalogued = await store.record_checkpoint(uow, job_id, claim.request_id, ref, now)
         if catalogued is not None:
             await _announce(
-                uow, job_id, confirmed.request_id, ref, verdict, facts, now, envelope.id
+                uow, job_id, claim.request_id, ref, verdict, facts, now, claim.message_id
             )
             if catalogued > self._retention:
-                await self._retire_old_checkpoints(uow, job_id, envelope.id)
-        event = CheckpointConfirmed(confirmed.request_id, job_id, ref)
+                await self._retire_old_checkpoints(uow, job_id, claim.message_id)
+        event = CheckpointConfirmed(claim.request_id, job_id, ref)
         for saga in sagas:
-            await self._apply(uow, saga, event, envelope.id, now)
+            await self._apply(uow, saga, event, claim.message_id, now)
 
-    async def _check(
-        self, uow: UnitOfWork, job_id: str, claim: CheckpointRef, kind: wire.CheckpointKind
-    ) -> tuple[Verdict, dict[str, str | None]]:
+    async def _judge(self, uow: UnitOfWork, claim: Claim) -> tuple[Verdict, dict[str, str | None]]:
         """The verdict on a claim, and what it rests on for the audit record: the URI's
         scheme and (unless storage checked it) the job's priority class."""
-        try:
-            scheme = uri_scheme(claim.uri)
-        except MalformedUri as exc:
-            priority_class = await store.class_of(uow, job_id)
-            verdict = Verdict(ClaimCheck.MALFORMED, str(exc))
-            return verdict, {"scheme": None, "priority_class": priority_class}
-        checked = await self._storage.verify(claim, kind)
-        if checked is not None:
-            return checked, {"scheme": scheme, "kind": kind.value}
-        priority_class = await store.class_of(uow, job_id)
-        trusted = self._trust.trusts(priority_class, scheme)
-        verdict = judge_unverifiable(job_id, scheme, priority_class, trusted)
-        return verdict, {"scheme": scheme, "priority_class": priority_class}
+        if claim.scheme is None:
+            assert claim.verdict is not None  # the malformed URI's
+            priority_class = await store.class_of(uow, claim.job_id)
+            return claim.verdict, {"scheme": None, "priority_class": priority_class}
+        if claim.verdict is not None:
+            return claim.verdict, {"scheme": claim.scheme, "kind": claim.kind.value}
+        priority_class = await store.class_of(uow, claim.job_id)
+        trusted = self._trust.trusts(priority_class, claim.scheme)
+        verdict = judge_unverifiable(claim.job_id, claim.scheme, priority_class, trusted)
+        return verdict, {"scheme": claim.scheme, "priority_class": priority_class}
 
     async def _retire_old_checkpoints(
         self, uow: UnitOfWork, job_id: str, causation_id: str

@@ -7,7 +7,7 @@ retried message is counted once. Labels are bounded: outcomes and verdicts, neve
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from gpusched.checkpoint.verification import ClaimCheck
 from gpusched.domain.saga import Outcome, Saga
@@ -46,6 +46,18 @@ CLAIMS = Counter(
     "Checkpoint confirmations judged, by verdict: verified, trusted (scheme trusted for "
     "the class, unverified), untrusted, malformed, false",
     ["verdict"],
+)
+# Not counted at commit: they say what the process's storage threads are doing.
+VERIFY_THREADS_STUCK = Gauge(
+    "gpusched_checkpoint_verify_threads_stuck",
+    "Checkpoint verification threads abandoned in storage I/O that has not returned (a "
+    "hung mount, a store that does not answer); at the pool's size every verification "
+    "is refused as incomplete at once",
+)
+VERIFY_REFUSED = Counter(
+    "gpusched_checkpoint_verify_refused_total",
+    "Checkpoint verifications refused at once (judged incomplete) because every "
+    "verification thread was stuck in storage I/O",
 )
 
 

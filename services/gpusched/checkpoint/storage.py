@@ -6,9 +6,13 @@ credentials of its usual environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
 AZURE_STORAGE_*). Other schemes report None: unverifiable, so refused unless trusted for
 the job's class (checkpoint.trusted_schemes).
 
-Hashing is I/O of up to many gigabytes: it runs off the event loop, the files of a
-manifest in parallel, within a time budget per GB (`verification.budget_s`); what is
-not done in time is reported unfinished, never waited for. A store that keeps a
+Hashing is I/O of up to many gigabytes: it runs off the event loop, on threads of its
+own (`threads.VerificationThreads`), the files of a manifest in parallel, within a time
+budget per GB (`verification.budget_s`); what is not done in time is reported
+unfinished, never waited for: the event loop waits for a thread until the deadline (and
+a short grace) and then abandons it, whatever it is doing (a read that never returns
+on a hung mount, an S3 call in its client's retries). When every thread is stuck so,
+a new verification is reported unfinished at once. A store that keeps a
 whole-object sha256 (S3 with ChecksumSHA256 of a single-part upload) is trusted for it
 instead of reading the object: the store computed and checked it on upload.
 
@@ -22,17 +26,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Final, Protocol
+from enum import Enum
+from typing import Any, BinaryIO, Final, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from gpusched.checkpoint import metrics
+from gpusched.checkpoint.threads import VerificationThreads
 from gpusched.checkpoint.verification import (
     FILE_SCHEME,
     ClaimCheck,
@@ -44,11 +50,19 @@ from gpusched.checkpoint.verification import (
     judge_manifest,
     uri_scheme,
 )
-from gpusched.contracts.manifest import MAX_MANIFEST_BYTES, MalformedManifest, Manifest
+from gpusched.contracts.manifest import (
+    MAX_MANIFEST_BYTES,
+    MalformedManifest,
+    Manifest,
+    ManifestFile,
+)
 from gpusched.contracts.messages import CheckpointKind
 from gpusched.domain.saga import CheckpointRef
 from gpusched.infra.errors import Unavailable, is_outage
 
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 _CHUNK: Final = 1 << 20
 # Library errors that say the store cannot be reached (botocore, aiohttp, google-auth,
 # azure-core), checked by name so no store's library has to be installed.
@@ -68,6 +82,12 @@ _UNREACHABLE: Final = frozenset(
 DEFAULT_BUDGET_S: Final = 30.0
 DEFAULT_BUDGET_S_PER_GB: Final = 30.0
 DEFAULT_PARALLELISM: Final = 8
+# Claims verified at once that never wait for one another's threads (the job-events
+# consumer's default concurrency, bus.consumer_concurrency).
+DEFAULT_CONCURRENT_CLAIMS: Final = 8
+# How long past its deadline a verification still waits for a thread's own answer (a
+# thread checks the deadline between chunks, so one that is reading returns by then).
+DEFAULT_GRACE_S: Final = 1.0
 
 
 class CheckpointStorage(Protocol):
@@ -85,7 +105,13 @@ class Budget:
 
 
 class FsspecStorage:
-    """Verifies claims on the schemes named in `schemes`, through fsspec."""
+    """Verifies claims on the schemes named in `schemes`, through fsspec.
+
+    Storage is read on a pool of `threads` threads of its own (VerificationThreads),
+    never on the event loop's default executor, and each wait for one of them ends at
+    the verification's deadline plus `grace_s`: what storage has not answered by then
+    is reported unfinished and its thread abandoned. The default pool lets
+    DEFAULT_CONCURRENT_CLAIMS claims read `parallelism` files each at once."""
 
     def __init__(
         self,
@@ -93,75 +119,151 @@ class FsspecStorage:
         *,
         budget: Budget | None = None,
         parallelism: int = DEFAULT_PARALLELISM,
+        threads: int | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
     ) -> None:
         self._schemes = frozenset(s.lower() for s in schemes)
         for scheme in self._schemes:
             require_backend(scheme)
         self._budget = budget or Budget()
         self._parallelism = max(1, parallelism)
+        self._threads = VerificationThreads(
+            max(1, threads or self._parallelism * DEFAULT_CONCURRENT_CLAIMS)
+        )
+        self._grace_s = max(0.0, grace_s)
+
+    def close(self) -> None:
+        """Take no more work; threads still in storage I/O end when it returns."""
+        self._threads.close()
 
     async def verify(self, claim: CheckpointRef, kind: CheckpointKind) -> Verdict | None:
         if uri_scheme(claim.uri) not in self._schemes:
             return None
+        started = time.monotonic()
         if kind is CheckpointKind.MANIFEST:
-            facts = await asyncio.to_thread(self._inspect_manifest, claim.uri, claim.bytes)
-            return judge_manifest(claim, facts)
+            return await self._verify_manifest(claim, started)
         budget = self._budget.for_bytes(claim.bytes)
-        deadline = time.monotonic() + budget
-        try:
-            fs, path = _locate(claim.uri)
-        except Exception as exc:
-            return judge(claim, _failure(exc))
-        found = await asyncio.to_thread(
-            _inspect, fs, path, claim.bytes, deadline, threading.Event()
+        deadline = started + budget
+        found = await self._on_thread(
+            lambda stop: _inspect_uri(claim.uri, claim.bytes, deadline, stop), deadline
         )
-        if found is None:
-            why = f"{claim.uri}: not verified within the budget of {budget:.0f}s"
-            return Verdict(ClaimCheck.INCOMPLETE, why)
+        if found is None or isinstance(found, _Unfinished):
+            why = _Unfinished.NOT_IN_TIME if found is None else found
+            return Verdict(ClaimCheck.INCOMPLETE, self._unfinished(claim.uri, why, budget))
         return judge(claim, found)
 
-    def _inspect_manifest(self, uri: str, expected_bytes: int) -> ManifestFacts:
-        try:
-            fs, path = _locate(uri)
-        except Exception as exc:
-            return ManifestFacts(manifest=_failure(exc))
-        raw, facts = _read_small(fs, path, expected_bytes)
-        if raw is None:
-            return ManifestFacts(manifest=facts)
-        try:
-            listed = Manifest.parse(raw)
-        except MalformedManifest as exc:
-            return ManifestFacts(manifest=facts, problem=str(exc))
-        budget = self._budget.for_bytes(listed.total_bytes)
-        deadline = time.monotonic() + budget
-        base = path.rsplit("/", 1)[0]
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(self._parallelism, thread_name_prefix="verify")
-        try:
-            futures: list[Future[ObjectFacts | None]] = [
-                pool.submit(_inspect, fs, f"{base}/{entry.path}", entry.bytes, deadline, stop)
-                for entry in listed.files
-            ]
-            wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
-        finally:
-            # Whatever is still hashing stops at its next chunk.
-            stop.set()
-            pool.shutdown(wait=False, cancel_futures=True)
-        checked: list[tuple[Any, ObjectFacts]] = []
-        unfinished = 0
-        for entry, future in zip(listed.files, futures, strict=True):
-            result = future.result() if future.done() and not future.cancelled() else None
-            if result is None:
-                unfinished += 1
-            else:
-                checked.append((entry, result))
-        return ManifestFacts(
-            manifest=facts,
-            listed=listed,
-            files=tuple(checked),
-            unfinished=unfinished,
-            budget_s=budget,
+    async def _verify_manifest(self, claim: CheckpointRef, started: float) -> Verdict:
+        # The whole verification, manifest and files, is held to the budget of the bytes
+        # the manifest lists; the manifest itself (not yet read) to that of its own size.
+        budget = self._budget.for_bytes(claim.bytes)
+        read = await self._on_thread(
+            lambda _: _read_manifest(claim.uri, claim.bytes), started + budget
         )
+        if isinstance(read, _Unfinished):
+            return Verdict(
+                ClaimCheck.INCOMPLETE, f"manifest {self._unfinished(claim.uri, read, budget)}"
+            )
+        facts, location = read
+        listed = facts.listed
+        if listed is None or location is None:
+            return judge_manifest(claim, facts)
+        fs, base = location
+        budget = self._budget.for_bytes(listed.total_bytes)
+        deadline = started + budget
+        # At most `parallelism` files of one claim on the pool's threads at once.
+        slots = asyncio.Semaphore(self._parallelism)
+
+        async def check(entry: ManifestFile) -> ObjectFacts | _Unfinished:
+            async with slots:
+                if time.monotonic() > deadline:
+                    return _Unfinished.NOT_IN_TIME
+                path = f"{base}/{entry.path}"
+                found = await self._on_thread(
+                    lambda stop: _inspect(fs, path, entry.bytes, deadline, stop), deadline
+                )
+                return _Unfinished.NOT_IN_TIME if found is None else found
+
+        results = await _all([check(entry) for entry in listed.files])
+        checked = [
+            (entry, found)
+            for entry, found in zip(listed.files, results, strict=True)
+            if not isinstance(found, _Unfinished)
+        ]
+        verdict = judge_manifest(
+            claim,
+            ManifestFacts(
+                manifest=facts.manifest,
+                listed=listed,
+                files=tuple(checked),
+                unfinished=len(listed.files) - len(checked),
+                budget_s=budget,
+            ),
+        )
+        if verdict.check is ClaimCheck.INCOMPLETE and _Unfinished.NO_THREAD in results:
+            why = self._unfinished(claim.uri, _Unfinished.NO_THREAD, budget)
+            return Verdict(verdict.check, f"{verdict.why}; {why}")
+        return verdict
+
+    async def _on_thread(
+        self, work: Callable[[threading.Event], _T], deadline: float
+    ) -> _T | _Unfinished:
+        """What `work` returns, run on the pool; unfinished if the pool refuses it or it
+        has not returned by `deadline` plus the grace. `work` is given an event that is
+        set when nobody waits for it any more (it may stop at its next chunk)."""
+        stop = threading.Event()
+        future = self._threads.submit(lambda: work(stop))
+        if future is None:
+            return _Unfinished.NO_THREAD
+        waiting = asyncio.wrap_future(future)
+        try:
+            timeout = max(0.0, deadline - time.monotonic()) + self._grace_s
+            done, _ = await asyncio.wait({waiting}, timeout=timeout)
+            if waiting in done:
+                # Cancelled without this coroutine being cancelled: the pool was closed.
+                return _Unfinished.NO_THREAD if waiting.cancelled() else waiting.result()
+            return _Unfinished.NOT_IN_TIME
+        finally:
+            # Never waited for past this point, whatever its thread is doing (also when
+            # the verification itself is cancelled).
+            if not waiting.done():
+                stop.set()
+                self._threads.abandon(future)
+                waiting.cancel()
+
+    def _unfinished(self, uri: str, why: _Unfinished, budget: float) -> str:
+        if why is _Unfinished.NOT_IN_TIME:
+            return f"{uri}: not verified within the budget of {budget:.0f}s"
+        metrics.VERIFY_REFUSED.inc()
+        log.warning(
+            "checkpoint claim %s not verified: all %d verification threads are stuck in "
+            "storage I/O that has not returned",
+            uri,
+            self._threads.size,
+        )
+        return (
+            f"{uri}: not verified: all {self._threads.size} verification threads are stuck "
+            "in storage I/O that has not returned (storage not answering)"
+        )
+
+
+class _Unfinished(Enum):
+    """Why a read of storage has no answer."""
+
+    NOT_IN_TIME = "not_in_time"  # its deadline (and the grace) passed first
+    NO_THREAD = "no_thread"  # every verification thread was stuck: refused at once
+
+
+async def _all(
+    checks: list[Coroutine[Any, Any, ObjectFacts | _Unfinished]],
+) -> list[ObjectFacts | _Unfinished]:
+    """Every check's result; if one raises (an outage), the others are cancelled, so
+    none is left waiting for a thread."""
+    tasks = [asyncio.ensure_future(check) for check in checks]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class NoStorage:
@@ -196,6 +298,34 @@ def _locate(uri: str) -> tuple[Any, str]:
         return LocalFileSystem(), unquote(urlsplit(uri).path)
     fs, path = url_to_fs(uri)
     return fs, str(path)
+
+
+def _inspect_uri(
+    uri: str, expected_bytes: int, deadline: float, stop: threading.Event
+) -> ObjectFacts | None:
+    """`_inspect` of the object a URI names."""
+    try:
+        fs, path = _locate(uri)
+    except Exception as exc:
+        return _failure(exc)
+    return _inspect(fs, path, expected_bytes, deadline, stop)
+
+
+def _read_manifest(uri: str, expected_bytes: int) -> tuple[ManifestFacts, tuple[Any, str] | None]:
+    """A manifest claim's manifest: its facts, what it lists, and the filesystem and
+    directory its files are in (None when it lists nothing to check)."""
+    try:
+        fs, path = _locate(uri)
+    except Exception as exc:
+        return ManifestFacts(manifest=_failure(exc)), None
+    raw, facts = _read_small(fs, path, expected_bytes)
+    if raw is None:
+        return ManifestFacts(manifest=facts), None
+    try:
+        listed = Manifest.parse(raw)
+    except MalformedManifest as exc:
+        return ManifestFacts(manifest=facts, problem=str(exc)), None
+    return ManifestFacts(manifest=facts, listed=listed), (fs, path.rsplit("/", 1)[0])
 
 
 def _read_small(fs: Any, path: str, expected_bytes: int) -> tuple[bytes | None, ObjectFacts]:
