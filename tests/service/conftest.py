@@ -6,7 +6,8 @@ A module that uses ``admission`` or ``client`` defines ``admission_settings`` (u
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import nats
 import pytest
@@ -14,6 +15,7 @@ from tests.support.admission import Admission, Client, start_admission
 from tests.support.identity import harness_options
 
 from gpusched.contracts.subjects import Subjects
+from gpusched.infra.embedded import EmbeddedNats, free_port
 from gpusched.infra.settings import Settings
 
 
@@ -36,3 +38,15 @@ async def client(admission_settings: Settings, client_class: type[Client]) -> As
     nc = await nats.connect(admission_settings.nats_url, **harness_options(admission_settings))
     yield client_class(nc, nc.jetstream(), Subjects(admission_settings.subject_prefix))
     await nc.drain()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A NATS of the test's own (no auth), which it may stop and start: an outage that
+    touches nothing else of the run."""
+    server = EmbeddedNats(tmp_path / "nats", port=free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

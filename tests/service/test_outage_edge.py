@@ -12,10 +12,9 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -54,23 +53,6 @@ OUTAGE_S = 12.0
 _STOP_S = 30.0
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path / "nats", port=_free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @dataclass

@@ -44,7 +44,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -62,6 +61,7 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
 from gpusched.infra.natsauth import AuthError, connect_options
 from gpusched.infra.tls import server_name
+from gpusched.infra.watchdog import FLUSH_TIMEOUT_S, ConnectionWatchdog
 from gpusched.sdk.checkpoints import SavedCheckpoint
 from gpusched.sdk.control import (
     CheckpointRequest,
@@ -78,7 +78,12 @@ from gpusched.sdk.delivery import (
     EventBuffer,
     Outgoing,
 )
-from gpusched.sdk.environment import DEFAULT_PREFIX, JobEnvironment
+from gpusched.sdk.environment import (
+    DEFAULT_PREFIX,
+    EnvVar,
+    JobEnvironment,
+    without_credentials,
+)
 from gpusched.sdk.errors import CheckpointError, JobClientError
 
 log = logging.getLogger(__name__)
@@ -90,8 +95,10 @@ PersistFn = Callable[[SavedCheckpoint], MaybeAwaitable[SavedCheckpoint]]
 ControlCallback = Callable[[ControlMessage], MaybeAwaitable[None]]
 CheckpointCallback = Callable[[CheckpointRequest], MaybeAwaitable[None]]
 
-# Bounded waits on the network: the first connect, and each control-plane request.
-_CONNECT_TIMEOUT_S = 5.0
+# Bounded waits on the network: each connect attempt, the first connect as a whole
+# (retried within it), and each control-plane request.
+_CONNECT_TIMEOUT_S = 5  # nats-py takes whole seconds here
+FIRST_CONNECT_S = 5.0
 _REQUEST_TIMEOUT_S = 5.0
 # Error texts travel made printable (no control characters) and bounded.
 _ERROR_MAX = 2000
@@ -167,6 +174,8 @@ class AsyncJobClient:
         self._recent: RecentCheckpoint | None = None
         self._renewals: asyncio.Task[None] | None = None
         self._reconnecting_for_renewal = False
+        # What NATS last said went wrong (a refused connect, a failed reconnect).
+        self._last_error: Exception | None = None
 
     @classmethod
     def from_env(cls, environment: JobEnvironment | None = None) -> AsyncJobClient:
@@ -194,25 +203,62 @@ class AsyncJobClient:
         await self.close()
 
     async def _open(self) -> NatsClient:
-        return await nats.connect(
+        """A connection that retries until it is made, and reconnects for ever after."""
+        nc = NatsClient()
+        await self._connect(nc)
+        return nc
+
+    async def _open_first(self) -> NatsClient:
+        """The first connection, given FIRST_CONNECT_S: with unlimited reconnects nats-py
+        would retry a first connect for ever, and a job pointed at a NATS it cannot reach
+        (a wrong URL, no server, refused credentials) must be told, not hang."""
+        nc = NatsClient()
+        try:
+            await asyncio.wait_for(self._connect(nc), FIRST_CONNECT_S)
+        except BaseException as exc:
+            # Whatever the attempts left behind (a socket, nats-py's tasks) goes too.
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if not isinstance(exc, TimeoutError):
+                raise
+            raise JobClientError(
+                f"cannot connect to NATS at {without_credentials(self._nats_url)} within "
+                f"{FIRST_CONNECT_S:g} s (last error: {self._last_error!r}); check the URL "
+                f"({EnvVar.NATS_URL} for a job), that NATS is running and reachable from "
+                "here, and the job's credentials and TLS settings"
+            ) from self._last_error
+        return nc
+
+    async def _connect(self, nc: NatsClient) -> None:
+        # A NATS that goes silent without closing the connection is left and reconnected
+        # to, never waited on without end (gpusched.infra.watchdog).
+        watchdog = ConnectionWatchdog(f"job {self.job_id}", log)
+
+        async def on_closed() -> None:
+            watchdog.stop()
+
+        await nc.connect(
             self._nats_url,
             name=f"gpusched-job-{self.job_id}",
             # A job outlives any control-plane outage: reconnect for ever.
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; a float works
             connect_timeout=_CONNECT_TIMEOUT_S,
-            error_cb=_quiet_error,
+            flush_timeout=FLUSH_TIMEOUT_S,
+            error_cb=self._on_nats_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
-            **connect_options(self._credentials),
+            closed_cb=on_closed,
+            **connect_options(self._credentials),  # type: ignore[arg-type]
             tls=self._tls,
             tls_hostname=server_name(self._tls),
         )
+        watchdog.start(nc)
 
     async def connect(self) -> None:
         try:
             if self._nc is None:
-                self._nc = await self._open()
+                self._nc = await self._open_first()
             self._js = self._nc.jetstream(timeout=_REQUEST_TIMEOUT_S)
             self._events = EventBuffer(
                 self._nc,
@@ -231,6 +277,9 @@ class AsyncJobClient:
                     )
             else:
                 await self._follow_shared()
+        except JobClientError:
+            await self.close()
+            raise
         except (NatsError, JetStreamError, OSError, TimeoutError, AuthError) as exc:
             await self.close()
             raise JobClientError(
@@ -283,9 +332,15 @@ class AsyncJobClient:
         self._js = None
         self._inbox.put_nowait(_CLOSED)
 
+    async def _on_nats_error(self, exc: Exception) -> None:
+        # The connection reports every failed reconnect; the buffer says it once per
+        # outage. The last one explains a first connect that never succeeded.
+        self._last_error = exc
+        log.debug("NATS: %r", exc)
+
     async def _on_disconnected(self) -> None:
-        if self._closing or self._reconnecting_for_renewal:
-            return
+        if self._closing or self._reconnecting_for_renewal or self._nc is None:
+            return  # (no connection yet: a first connect that failed says so itself)
         log.warning("job %s: lost the control plane; events are buffered", self.job_id)
 
     async def _follow_credentials(self, path: Path) -> None:
@@ -692,8 +747,3 @@ def _read_quietly(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
-
-
-async def _quiet_error(exc: Exception) -> None:
-    # The connection reports every failed reconnect; the buffer says it once per outage.
-    log.debug("NATS: %r", exc)

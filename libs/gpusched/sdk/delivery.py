@@ -12,6 +12,10 @@ an outage. The buffer is bounded: when it is full the oldest *droppable* event g
 first (progress and telemetry, which newer ones supersede); results (a checkpoint
 confirmation, completion, a workload that stopped) are never dropped. A droppable event
 may also carry a maximum age: it is dropped instead of sent once older than that.
+
+Only the link holds events back. An event that fails for a reason of its own (larger
+than the server's max_payload, refused by JetStream three times) is logged as an error,
+counted in `dropped` and given up, so the events behind it still go, in order.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
+from nats.errors import ConnectionDrainingError, ConnectionReconnectingError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+
+from gpusched.infra.errors import is_outage
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,12 @@ _BACKOFF_MAX_S = 2.0
 # event is given up, so that one event the server refuses cannot hold up the rest.
 _REFUSALS = 3
 _UNAVAILABLE = 503
+
+
+def _link_failed(exc: BaseException) -> bool:
+    """True when a publish failed because of the connection or the server (an outage,
+    a connection being drained or re-established), not because of the event itself."""
+    return is_outage(exc) or isinstance(exc, ConnectionDrainingError | ConnectionReconnectingError)
 
 
 @dataclass(eq=False)
@@ -52,6 +65,8 @@ class Outgoing:
     headers: dict[str, str] = field(default_factory=dict)
     queued_at: float = 0.0
     delivered: asyncio.Event = field(default_factory=asyncio.Event)
+    # Delivered or given up: nobody needs to wait for it any longer.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +136,7 @@ class EventBuffer:
         if not self.put(item) or not self.state.connected or self._wait_s <= 0:
             return False  # an outage is going on: the caller keeps working
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(item.delivered.wait(), self._wait_s)
+            await asyncio.wait_for(item.settled.wait(), self._wait_s)
         return item.delivered.is_set()
 
     def put(self, item: Outgoing) -> bool:
@@ -176,8 +191,7 @@ class EventBuffer:
     def _drop_oldest_droppable(self) -> None:
         for item in self._items:
             if item.droppable and item is not self._in_flight:
-                self._items.remove(item)
-                self.dropped += 1
+                self._give_up(item)
                 return
         # Nothing may be dropped: the buffer grows past its bound rather than lose a result.
 
@@ -193,8 +207,7 @@ class EventBuffer:
                 continue
             item = self._items[0]
             if item.max_age_s is not None and clock.time() - item.queued_at > item.max_age_s:
-                self._items.popleft()
-                self.dropped += 1
+                self._give_up(item)
                 continue
             self._in_flight = item
             try:
@@ -214,10 +227,22 @@ class EventBuffer:
                 log.error("%s: JetStream refuses %s (%s); giving it up",
                           self._name, item.message_type, exc)  # fmt: skip
                 refusals = 0
-                self._items.popleft()
-                self.dropped += 1
+                self._give_up(item)
                 continue
             except Exception as exc:
+                if not _link_failed(exc):
+                    # The event itself cannot be sent (e.g. larger than the server's
+                    # max_payload): trying again changes nothing, and it must not hold
+                    # up every later event of the job.
+                    log.error(
+                        "%s: cannot publish %s (%s: %s); giving it up",
+                        self._name,
+                        item.message_type,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    self._give_up(item)
+                    continue
                 # Not connected, no ack in time, JetStream not ready yet: all the same to
                 # a job. The event stays first in line and goes again after a pause.
                 if not self._failing:
@@ -243,3 +268,11 @@ class EventBuffer:
             with contextlib.suppress(ValueError):
                 self._items.remove(item)  # still first, unless dropped meanwhile
             item.delivered.set()
+            item.settled.set()
+
+    def _give_up(self, item: Outgoing) -> None:
+        """Drop `item` unsent (counted in `dropped`); its sender stops waiting for it."""
+        with contextlib.suppress(ValueError):
+            self._items.remove(item)
+        self.dropped += 1
+        item.settled.set()

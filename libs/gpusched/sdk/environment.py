@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ValidationError
 
@@ -35,6 +36,16 @@ _TLS_FIELDS = tuple(TlsSettings.model_fields)
 
 
 DEFAULT_PREFIX = "gpusched"
+
+
+def without_credentials(nats_url: str) -> str:
+    """NATS URL(s) without the user and password (or token) they may carry: what a job
+    is given (those are the agent's identity, not the job's) and what a message shows."""
+    urls = []
+    for url in nats_url.split(","):
+        parts = urlsplit(url.strip())
+        urls.append(urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])))
+    return ",".join(urls)
 
 
 @dataclass(frozen=True, slots=True)

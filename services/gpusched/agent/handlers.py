@@ -160,6 +160,8 @@ class ClusterAgent:
         if alloc in self._stopped:
             log.info("ignoring a start for allocation %s, which already ran", alloc)
             return
+        # An outage while launching (Unavailable) is not caught: nothing was tracked or
+        # reported, and the consumer applies this same command again once NATS is back.
         try:
             workload = self._make_workload(start)
             await workload.launch()

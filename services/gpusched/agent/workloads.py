@@ -20,12 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client as NatsClient
 
 from gpusched.agent.identity import WorkloadUser, prepare_job_dir
 from gpusched.contracts.messages import GpuShare, StartWorkload, StopReason
+from gpusched.infra.errors import Unavailable, is_outage
 from gpusched.infra.settings import TlsSettings
 from gpusched.infra.supervisor import spawn_bound_child, terminate
 from gpusched.sdk import (
@@ -41,6 +41,7 @@ from gpusched.sdk import (
     file_digest,
     save_file_checkpoint,
 )
+from gpusched.sdk.environment import without_credentials as without_credentials  # re-exported
 from gpusched.simcluster.training import CheckpointContentError, VirtualLoop, checkpoint_document
 from gpusched.simcluster.training import checkpoint_step as read_checkpoint_step
 
@@ -73,7 +74,9 @@ class WorkloadExit:
 
 class Workload(Protocol):
     async def launch(self) -> None:
-        """Start it; raises WorkloadLaunchError if it cannot run at all."""
+        """Start it; raises WorkloadLaunchError if it cannot run at all, and
+        gpusched.infra.errors.Unavailable if a server it needs cannot be reached now
+        (nothing of it is left running: the start is applied again once it is back)."""
 
     async def wait(self) -> WorkloadExit:
         """Until it ends by itself."""
@@ -104,16 +107,6 @@ def write_credentials(directory: Path, creds: str, user: WorkloadUser | None) ->
         os.chown(tmp, user.uid, user.gid)
     os.replace(tmp, path)
     return path
-
-
-def without_credentials(nats_url: str) -> str:
-    """The agent's NATS URL(s) without the user and password they may carry: those are
-    the agent's identity, not the job's."""
-    urls = []
-    for url in nats_url.split(","):
-        parts = urlsplit(url.strip())
-        urls.append(urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])))
-    return ",".join(urls)
 
 
 def workload_environment(
@@ -182,6 +175,12 @@ class SimWorkload:
         try:
             await self._job.connect()
         except JobClientError as exc:
+            # A failed connect has closed the client (no consumer, no buffer left).
+            if is_outage(exc):
+                # NATS away, JetStream not answering in time or unavailable: not the
+                # job's fault. The start command stays unsettled and is applied again
+                # (with a new client) once the server answers.
+                raise Unavailable(f"cannot start job {self._start.job_id} yet: {exc}") from exc
             raise WorkloadLaunchError(str(exc)) from exc
         self._task = asyncio.create_task(self._run(), name=f"sim-{self._start.allocation_id}")
 
