@@ -4,16 +4,24 @@ through kubernetes_asyncio: the API behaviours the agent must survive, one at a 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
+from gpusched.agent.kubernetes.agent import KubernetesAgent
 from gpusched.agent.kubernetes.informer import Informer
 from gpusched.agent.kubernetes.kube import Conflict, Kube, NotFound, TooManyRequests, connect
 from gpusched.agent.kubernetes.lease import LeaderLease
+from gpusched.agent.publisher import Publisher
+from gpusched.contracts.subjects import Subjects
 from gpusched.infra.errors import Unavailable
+from gpusched.infra.settings import KubernetesSettings
+from tests.conftest import Servers
 from tests.support.kubeapi import KubeApiStandIn, kubeconfig
 from tests.support.kubelet import gpu_node, training_pod
 from tests.support.tls import make_pki
@@ -155,3 +163,52 @@ async def test_one_replica_leads_and_another_takes_over_once_the_lease_expires(
     await asyncio.sleep(1.2)  # a whole duration without renewal
     assert await second.try_acquire()
     assert not await first.try_acquire()
+
+
+async def test_a_submit_admission_cannot_take_now_is_tried_again_not_refused_for_good(
+    api: tuple[KubeApiStandIn, Kube], servers: Servers, prefix: str
+) -> None:
+    """Admission answers `unavailable` while it waits out its own outage: the pod is
+    submitted again on the next pass, never marked refused."""
+    server, kube = api
+    nc = await nats.connect(servers.nats_url, **servers.nats_options)
+    subjects = Subjects(prefix)
+    answers = [
+        {"ok": False, "error": {"code": "unavailable", "message": "try again in a few seconds"}},
+        {"ok": True, "job_id": "job-1"},
+    ]
+    asked: list[bytes] = []
+
+    async def admission(msg: Msg) -> None:
+        asked.append(msg.data)
+        await msg.respond(json.dumps(answers[min(len(asked), len(answers)) - 1]).encode())
+
+    await nc.subscribe(subjects.api_jobs_submit, cb=admission)
+    agent = KubernetesAgent(
+        kube,
+        Publisher(nc, nc.jetstream(), "agent"),
+        subjects,
+        KubernetesSettings(namespace_teams={"ml": "t"}),
+        nc,
+        agent_id="test-agent",
+        nats_url=servers.nats_url,
+    )
+    stopping = asyncio.Event()
+    watches = [asyncio.create_task(i.run()) for i in (agent.pods, agent.nodes, agent.namespaces)]
+    try:
+        pod = training_pod("p", team="t", priority="p1-normal", gpus=1, checkpoint_dir=Path("/c"))
+        await kube.create_pod("ml", pod)
+        await eventually(lambda: _async(agent.synced and bool(agent.pods.cache)))
+        with pytest.raises(Unavailable, match="admission could not take the submit"):
+            await agent.reconcile_once()
+        notes = (server.get("pods", "p", "ml") or {})["metadata"]["annotations"]
+        assert "gpusched.io/refused" not in notes
+        await agent.reconcile_once()
+        notes = (server.get("pods", "p", "ml") or {})["metadata"]["annotations"]
+        assert notes.get("gpusched.io/job-id") == "job-1" and len(asked) == 2
+    finally:
+        stopping.set()
+        for watch in watches:
+            watch.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+        await nc.close()
