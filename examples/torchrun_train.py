@@ -88,6 +88,9 @@ def main() -> int:
                 train_step(model, optimizer)
             if args.result:
                 write_result(args.result, model, args.steps)
+            # Every rank past the last collective (and rank 0's save) before the group
+            # goes: a rank that tore down gloo while another still used it could abort.
+            dist.barrier()
             return 0
         signal.signal(signal.SIGTERM, _stop)
         with Gang.from_env(args.checkpoints, persist_to=args.persist_to) as gang:
@@ -114,6 +117,7 @@ def main() -> int:
             if args.result:
                 write_result(args.result, model, args.steps)
             gang.completed(args.steps)
+            dist.barrier()
         return 0
     finally:
         dist.destroy_process_group()
