@@ -21,6 +21,7 @@ of a run that was never interrupted. gloo on CPU here; on GPUs use
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -124,4 +125,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the interpreter's teardown destroys torch's and gloo's C++ objects,
+    # and a background thread still joinable then aborts the rank ("terminate called
+    # without an active exception", seen under a loaded machine), which torchrun reports
+    # as the gang's failure although every rank finished its work.
+    os._exit(code)
