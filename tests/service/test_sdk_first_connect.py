@@ -58,8 +58,13 @@ async def test_a_first_connect_the_server_refuses_gives_up_instead_of_retrying_f
         pytest.skip("this NATS lets any client in")
     # No credentials: the server answers every attempt with an authorization violation.
     job = AsyncJobClient(servers.nats_url, "job-nocreds", 1, prefix=prefix)
-    with pytest.raises(JobClientError, match=r"(?i)authorization"):
+    with pytest.raises(
+        JobClientError, match=r"cannot connect to NATS at .* credentials"
+    ) as refused:
         await asyncio.wait_for(job.connect(), FIRST_CONNECT_S + _SLACK_S)
+    # The server's own answer, when the client read it before the connection was closed
+    # (a reset does not replace it); under load only the reset may have been seen.
+    assert "uthorization" in str(refused.value) or "ConnectionReset" in str(refused.value)
 
 
 async def test_after_its_first_connect_a_job_waits_out_an_outage_longer_than_that_bound(

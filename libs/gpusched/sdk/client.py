@@ -59,6 +59,7 @@ from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import CheckpointKind, StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
+from gpusched.infra.errors import is_outage
 from gpusched.infra.natsauth import AuthError, connect_options
 from gpusched.infra.tls import server_name
 from gpusched.infra.watchdog import FLUSH_TIMEOUT_S, ConnectionWatchdog
@@ -335,7 +336,12 @@ class AsyncJobClient:
     async def _on_nats_error(self, exc: Exception) -> None:
         # The connection reports every failed reconnect; the buffer says it once per
         # outage. The last one explains a first connect that never succeeded.
-        self._last_error = exc
+        # A server's own answer (an authorization violation) says more than the reset of
+        # the connection it then closes: a bare connection error does not replace it.
+        if not (
+            is_outage(exc) and self._last_error is not None and not is_outage(self._last_error)
+        ):
+            self._last_error = exc
         log.debug("NATS: %r", exc)
 
     async def _on_disconnected(self) -> None:
