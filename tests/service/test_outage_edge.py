@@ -288,11 +288,9 @@ async def agent(
             ),
         }
     )
-    rt = ServiceRuntime("agent", "agent", ours, None)
-    await rt.start()
-    cluster = await start_agent(rt)
-    running = asyncio.create_task(rt.run())
-    harness = Agent(rt, cluster, running)
+    # Admission's inventory is on the stream before the agent starts: the agent catches
+    # up with it, then says it is ready with its nodes (sent after the start, the first
+    # ready could come before it, with no node).
     await control.send(
         control.s.event("admission", T.INVENTORY_LOADED),
         T.INVENTORY_LOADED,
@@ -300,6 +298,11 @@ async def agent(
             nodes=[InventoryNode(name="shared-00", pool="shared", gpu_model="A100-80GB", gpus=4)]
         ),
     )
+    rt = ServiceRuntime("agent", "agent", ours, None)
+    await rt.start()
+    cluster = await start_agent(rt)
+    running = asyncio.create_task(rt.run())
+    harness = Agent(rt, cluster, running)
     try:
         yield harness
     finally:
