@@ -61,15 +61,22 @@ async def client(module_settings: Settings, admission: Admission) -> AsyncIterat
 
 
 async def settled(admission: Admission) -> dict[str, str]:
-    """The digest once the service is quiet (two equal readings in a row)."""
+    """The digest once the service is quiet: the same over QUIET_S, longer than the
+    scheduling interval (1 s), so a pass still to come cannot change it afterwards (two
+    equal readings 0.2 s apart could both come before a job just submitted was placed)."""
     last = await digest(admission.rt)
-    for _ in range(50):
+    quiet = 0.0
+    for _ in range(100):
         await asyncio.sleep(0.2)
         now = await digest(admission.rt)
-        if now == last:
+        quiet = quiet + 0.2 if now == last else 0.0
+        if quiet >= QUIET_S:
             return now
         last = now
     return last
+
+
+QUIET_S = 1.6
 
 
 def refused_for(reply: dict[str, Any], field: str, what: object) -> None:

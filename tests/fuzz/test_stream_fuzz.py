@@ -96,11 +96,15 @@ class Cluster:
         return [json.loads(m.data)["data"] for m in msgs]
 
     async def settled(self, service: str) -> dict[str, str]:
+        """The digest once `service` is quiet: the same over 1.6 s, longer than any
+        service's tick (1 s), so work still to come cannot change it afterwards."""
         last = await digest(self.rt[service])
-        for _ in range(50):
+        quiet = 0.0
+        for _ in range(100):
             await asyncio.sleep(0.2)
             now = await digest(self.rt[service])
-            if now == last:
+            quiet = quiet + 0.2 if now == last else 0.0
+            if quiet >= 1.6:
                 return now
             last = now
         return last
