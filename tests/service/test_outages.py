@@ -278,17 +278,8 @@ async def test_a_leader_whose_database_restarts_stops_leading_until_it_takes_the
 
 
 async def test_an_event_nats_refuses_for_its_size_is_parked_and_the_events_behind_it_go_out(
-    servers: Servers, database_url: str, prefix: str, tmp_path: Path
+    settings: Settings,
 ) -> None:
-    security = await install(servers, prefix, tmp_path / "auth")
-    settings = Settings(
-        nats_url=servers.nats_url,
-        nats_credentials=harness_credentials_in(security),
-        database_url=database_url,
-        subject_prefix=prefix,
-        data_dir=tmp_path / "data",
-        security=security,
-    )
     async with probe(settings) as (runtime, task):
         parked_before = (
             REGISTRY.get_sample_value("gpusched_outbox_parked_total", {"service": SERVICE}) or 0.0
