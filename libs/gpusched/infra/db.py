@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import asyncpg
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import TextClause, text
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import InvalidatePoolError
@@ -373,15 +373,14 @@ class UnitOfWork:
         ``entity`` and ``reason`` are often built from what a user sent (a job's GPU
         models, a node's name): they are made to fit the record (see ``_fitted``), so an
         audit record never fails the decision it records."""
-        entity = _fitted(entity, NAME_MAX)
-        record = AuditRecord(
-            action=action,
-            actor=self.source,
-            entity=entity,
-            reason=_fitted(reason, TEXT_MAX, multiline=True),
-            details=dict(details or {}),
-            time=utcnow(),
-        )
+        fields = {"action": action, "actor": self.source, "details": dict(details or {})}
+        try:
+            record = AuditRecord(entity=entity, reason=reason, time=utcnow(), **fields)
+        except ValidationError:
+            # Checked again only when the record refused them: most records fit as made.
+            entity = _fitted(entity, NAME_MAX)
+            reason = _fitted(reason, TEXT_MAX, multiline=True)
+            record = AuditRecord(entity=entity, reason=reason, time=utcnow(), **fields)
         return Outgoing(
             self.subjects.audit(action),
             T.AUDIT,
