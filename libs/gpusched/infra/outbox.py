@@ -142,9 +142,14 @@ class OutboxRelay:
                         self._schema,
                         exc,
                     )
-                    with contextlib.suppress(Exception):
+                    try:
                         await self._isolate(self._batch)
                         continue  # every row of the batch published or set aside
+                    except Exception as isolating:
+                        if is_outage(isolating):
+                            self._outage.begin(isolating)
+                        else:
+                            log.exception("outbox relay for %s failed; retrying", self._schema)
                 await self._close_broken()
                 # A refresh while NATS is away still reaches PostgreSQL: the gauge rises.
                 with contextlib.suppress(Exception):
