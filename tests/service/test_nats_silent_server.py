@@ -6,6 +6,7 @@ cannot close and reconnects once the server answers again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -72,10 +73,18 @@ async def test_a_frozen_server_with_unsent_data_is_left_and_reconnected_to_when_
                 await got.put(msg.data)
 
             await observer.subscribe("after.thaw", cb=on_message)
-            await observer.flush(timeout=5)
-            await nc.publish("after.thaw", b"back")
-            await nc.flush(timeout=10)
-            assert await asyncio.wait_for(got.get(), 10) == b"back"
+
+            # nats-py writes a flush's PING straight to the socket, ahead of the SUB still
+            # queued for its flusher, so the observer's flush can return before the server
+            # has its subscription: publish until one arrives.
+            async def delivered() -> bool:
+                await nc.publish("after.thaw", b"back")
+                await nc.flush(timeout=10)
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(got.get(), 0.5) == b"back"
+                return False
+
+            await eventually(delivered, within=20)
         finally:
             await observer.close()
     finally:
