@@ -136,7 +136,11 @@ def checkpoint_file(job_id: str, step: int) -> tuple[str, int, str]:
     path = CHECKPOINTS / job_id / f"ckpt-{step}.bin"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = f"{job_id} at step {step}".encode()
-    path.write_bytes(data)
+    # Written aside and renamed, as a job saves: the service may be verifying an earlier
+    # claim on this very file, and must never read it half-written.
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    aside.write_bytes(data)
+    aside.replace(path)
     return path.as_uri(), len(data), hashlib.sha256(data).hexdigest()
 
 
@@ -884,8 +888,16 @@ async def test_a_confirmation_delivered_twice_sends_one_evict_command(
     await checkpoint_requested(rt, v)
     confirmation = await confirm(rt, v, 10, request_id=v.request_id)
     await rt.js.publish(rt.subjects.job_events(v.job_id), confirmation.to_bytes())
-    # A second confirmation (new id, same claim) is a duplicate the saga refuses.
-    await confirm(rt, v, 10, request_id=v.request_id)
+    # A second confirmation (new id, same claim) is a duplicate the saga refuses. Sent
+    # as it is, without writing the file again: a rewrite while the service verifies
+    # the first claim would make that one false (and this one the confirmation).
+    await publish(
+        rt,
+        rt.subjects.job_events(v.job_id),
+        T.CHECKPOINT_CONFIRMED,
+        confirmation.payload(CheckpointConfirmed),
+        correlation_id=v.job_id,
+    )
 
     [evict] = await wait_for(rt, evict_commands(rt))
     saga_id = evict.data["saga_id"]
