@@ -1003,3 +1003,74 @@ async def test_the_catalogue_keeps_the_newest_checkpoints_and_those_a_saga_refer
         assert await eventually(kept, within=WITHIN) == {"ckpt-1", "ckpt-3", "ckpt-4"}
         retired = await wait_for_audit(rt, v.job_id, "checkpoint.retired")
         assert [r["checkpoint_id"] for r in retired["details"]["retired"]] == ["ckpt-2"]
+
+
+# --- a mass eviction: messages that arrive together share transactions -----------------------
+
+
+async def test_a_mass_eviction_applied_in_shared_transactions_ends_every_saga_as_one_alone(
+    service: ServiceRuntime,
+) -> None:
+    """Each step of 24 sagas arrives at once, so the consumers apply them in batches,
+    whose prepare hook locks and reads for the whole batch in one statement. Every saga
+    must still take exactly the path of the one-at-a-time test above, with the job's
+    earlier periodic checkpoint found for those that have one."""
+    rt = service
+    victims = [victim() for _ in range(24)]
+    # Half the jobs took a periodic checkpoint before the eviction was asked for.
+    for v in victims[::2]:
+        await confirm(rt, v, 10, StageName.PERSISTED)
+    await eventually(lambda: _catalogued(rt, len(victims[::2])), within=WITHIN)
+    await asyncio.gather(*(request_eviction(rt, v) for v in victims))
+    # A second request for an allocation already being evicted, among the first ones.
+    await request_eviction(rt, victims[0], request_id=f"req-again-{victims[0].job_id}")
+    requested = {v.job_id: await checkpoint_requested(rt, v) for v in victims}
+    # Each saga began with its job's latest checkpoint, read for the whole batch.
+    for index, v in enumerate(victims):
+        earlier = (await saga_of(rt, v.job_id))["last_confirmed"]
+        if index % 2 == 0:
+            assert earlier is not None and earlier["checkpoint_id"] == "ckpt-10", v
+        else:
+            assert earlier is None, v
+
+    await asyncio.gather(*(confirm(rt, v, 100, request_id=v.request_id) for v in victims))
+    commands = await wait_for(rt, evict_commands(rt), len(victims))
+    assert sorted(c.data["job_id"] for c in commands) == sorted(v.job_id for v in victims)
+    await asyncio.gather(
+        *(workload_stopped(rt, v, str(requested[v.job_id].correlation_id)) for v in victims)
+    )
+    completed = await wait_for(rt, outcome(rt, T.EVICTION_COMPLETED), len(victims))
+
+    assert sorted(c.data["request_id"] for c in completed) == sorted(v.request_id for v in victims)
+    assert all(c.data["checkpoint"]["checkpoint_id"] == "ckpt-100" for c in completed)
+    for v in victims:
+        saga_id = str(requested[v.job_id].correlation_id)
+        await wait_for_audit(rt, saga_id, "eviction.completed")
+        trail = await audit_trail(rt, saga_id)
+        steps = [
+            (r["action"], r["details"]["to"]) for r in trail if r["action"] != "saga.input_ignored"
+        ]
+        assert steps == [
+            ("checkpoint.requested", "checkpointing"),
+            ("checkpoint.confirmed", "confirmed"),
+            ("evict", "evicting"),
+            ("workload.evicted", "evicted"),
+            ("eviction.completed", "completed"),
+        ], v
+    ignored = await wait_for_audit(
+        rt, str(requested[victims[0].job_id].correlation_id), "saga.input_ignored"
+    )
+    assert ignored["details"]["request_id"] == f"req-again-{victims[0].job_id}"
+    assert len(await saga_rows(rt)) == len(victims)
+    # The messages did share transactions: inbox rows written by one transaction.
+    async with rt.uow() as uow:
+        shared = await uow.fetch(
+            "SELECT count(*) AS n FROM checkpoint.inbox GROUP BY xmin::text HAVING count(*) > 1"
+        )
+    assert shared, "no two messages were applied in one transaction"
+
+
+async def _catalogued(rt: ServiceRuntime, count: int) -> bool:
+    async with rt.uow() as uow:
+        row = await uow.fetchrow("SELECT count(*) AS n FROM checkpoint.checkpoints")
+    return row is not None and row["n"] >= count

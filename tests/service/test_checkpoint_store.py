@@ -8,11 +8,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import asyncpg
 import pytest
 
 from gpusched.checkpoint import app, store
-from gpusched.domain.saga import Begin, DeadlinePolicy, Saga, SagaState, Stage, begin
+from gpusched.domain.saga import (
+    Begin,
+    CheckpointRef,
+    DeadlinePolicy,
+    Saga,
+    SagaState,
+    Stage,
+    begin,
+)
+from gpusched.infra.db import UnitOfWork
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
@@ -129,3 +140,100 @@ async def test_a_batch_claims_each_new_message_once_and_none_already_applied(
         await uow.commit()
     async with rt.uow() as uow:
         assert await uow.claim_many(["m-2", "m-3", "m-4"], "c") == {"m-4"}
+
+
+# --- a batch's reads, locked and read in one statement (`lock_for_batch`) ---------------
+
+
+def checkpoint(job: int, step: int) -> CheckpointRef:
+    return CheckpointRef(
+        checkpoint_id=f"ckpt-{job}-{step}",
+        step=step,
+        uri=f"file:///ckpt/{job}/{step}",
+        bytes=10,
+        sha256="0" * 64,
+        stage=Stage.PERSISTED,
+    )
+
+
+class Statements:
+    """Counts the statements a unit of work sends (every store read goes through these)."""
+
+    def __init__(self, uow: UnitOfWork, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in ("fetch", "fetchrow"):
+            sent = getattr(uow, name)
+
+            async def counted(*args: Any, _sent: Any = sent) -> Any:
+                self.count += 1
+                return await _sent(*args)
+
+            monkeypatch.setattr(uow, name, counted)
+
+
+async def test_a_batch_lock_answers_the_reads_it_covers_from_its_rows_and_holds_them(
+    rt: ServiceRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await stored(rt, opened(11), opened(12), opened(13))
+    async with rt.uow() as uow:
+        await store.record_checkpoint(uow, "job-11", None, checkpoint(11, 5), NOW)
+        await uow.commit()
+
+    async with rt.uow() as uow:
+        sent = Statements(uow, monkeypatch)
+        await store.lock_for_batch(
+            uow,
+            saga_ids={"saga-11", "saga-none"},
+            requests={"req-11", "req-12", "req-none"},
+            live_jobs={"job-11"},
+            latest_of={"job-11", "job-12"},
+        )
+        assert sent.count == 1
+        # Another transaction cannot take the rows the batch locked.
+        async with rt.uow() as other:
+            with pytest.raises(asyncpg.LockNotAvailableError):
+                await other.fetch(
+                    "SELECT 1 FROM checkpoint.sagas WHERE saga_id = ANY($1) FOR UPDATE NOWAIT",
+                    ["saga-11", "saga-12"],
+                )
+
+        eleven = await store.lock_saga(uow, "saga-11")
+        assert eleven is not None and eleven.request_id == "req-11"
+        assert await store.lock_saga(uow, "saga-none") is None
+        twelve = await store.lock_by_request(uow, "req-12")
+        assert twelve is not None and twelve.saga_id == "saga-12"
+        assert await store.lock_by_request(uow, "req-none") is None
+        known, latest = await store.lock_request_and_latest(uow, "req-none", "job-11")
+        assert known is None and latest is not None
+        assert latest.checkpoint == checkpoint(11, 5)
+        assert await store.lock_request_and_latest(uow, "req-12", "job-12") == (twelve, None)
+        assert await store.lock_live_by_job(uow, "job-11") == [eleven]
+        assert sent.count == 1  # every read above answered from the batch's rows
+
+        # The unit of work's own writes are seen by the reads that follow.
+        await store.save_saga(uow, moved(eleven))
+        assert await store.lock_saga(uow, "saga-11") == moved(eleven)
+        assert await store.lock_live_by_job(uow, "job-11") == [moved(eleven)]
+        ended = dataclasses.replace(moved(eleven), state=SagaState.COMPLETED)
+        await store.save_saga(uow, ended)
+        assert await store.lock_live_by_job(uow, "job-11") == []
+        assert await store.lock_live_by_job(uow, "job-11", "req-11") == [ended]
+        successor = dataclasses.replace(opened(14), job_id="job-11", allocation_id="alloc-11")
+        assert await store.insert_saga(uow, successor)
+        assert await store.lock_live_by_job(uow, "job-11") == [successor]
+        # The saga's pending end is written first (the allocation's index must see it).
+        assert sent.count == 3
+        await store.record_checkpoint(uow, "job-11", None, checkpoint(11, 9), NOW)
+        _, latest = await store.lock_request_and_latest(uow, "req-none", "job-11")
+        assert latest is not None and latest.checkpoint == checkpoint(11, 9)
+        assert sent.count == 5  # the catalogue write, then the database's new latest
+
+        # What the batch did not cover is read from the database.
+        thirteen = await store.lock_saga(uow, "saga-13")
+        assert thirteen is not None and thirteen.job_id == "job-13"
+        assert sent.count == 6
+        await uow.commit()
+
+    async with rt.uow() as uow:
+        assert await store.get_saga(uow, "saga-11") == ended
+        assert await store.get_saga(uow, successor.saga_id) == successor

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -57,6 +57,7 @@ async def probe(
     key: bus.KeyOf | None = bus.by_correlation,
     concurrency: int | None = None,
     batch: int = 1,
+    prepare: bus.Prepare | None = None,
 ) -> AsyncIterator[ServiceRuntime]:
     runtime = ServiceRuntime("probe", "probe", settings, MIGRATIONS)
     await runtime.start()
@@ -69,6 +70,7 @@ async def probe(
             key=key,
             concurrency=concurrency,
             batch=batch,
+            prepare=prepare,
         )
     )
     task = asyncio.create_task(runtime.run())
@@ -111,6 +113,17 @@ class Gate:
         if step in self.held:
             await self.release.wait()
         self.log.append(f"exit {envelope.correlation_id}/{step}")
+
+
+async def held_then_batched(runtime: ServiceRuntime, gate: Gate) -> None:
+    """The only worker is held on a first message while 6 jobs' 30 messages arrive:
+    they wait, and then go in batches. Returns once all 31 are applied and acked."""
+    await publish(runtime, progress("first", 0))
+    await asyncio.wait_for(gate.arrived(0).wait(), 20)
+    await publish(runtime, *interleaved(jobs=6, per_job=5))
+    gate.release.set()
+    await eventually(lambda: _count(runtime, 31), within=20)
+    await eventually(lambda: _all_acked(runtime), within=20)
 
 
 def interleaved(jobs: int, per_job: int) -> Iterator[Envelope]:
@@ -280,13 +293,7 @@ async def test_waiting_messages_of_different_keys_share_a_transaction_each_key_i
         await gate.apply(envelope, uow)
 
     async with probe(tuned(settings), apply, concurrency=1, batch=16) as runtime:
-        await publish(runtime, progress("first", 0))
-        await asyncio.wait_for(gate.arrived(0).wait(), 20)
-        # The only worker is held: these wait, and then go in batches.
-        await publish(runtime, *interleaved(jobs=6, per_job=5))
-        gate.release.set()
-        await eventually(lambda: _count(runtime, 31), within=20)
-        await eventually(lambda: _all_acked(runtime), within=20)
+        await held_then_batched(runtime, gate)
 
     assert max(len(applied) for applied in transactions.values()) > 1
     for applied in transactions.values():
@@ -322,3 +329,60 @@ async def test_a_failing_message_in_a_batch_is_dead_lettered_alone_and_the_rest_
         assert await steps(runtime) == [("first", 0), *((f"good-{n}", n) for n in range(1, 6))]
     # It was tried with others first (a batch), then alone.
     assert gate.log.count("enter refused/66") == 2
+
+
+async def test_a_batch_is_prepared_once_in_its_own_transaction_with_what_it_applies(
+    settings: Settings,
+) -> None:
+    gate = Gate(0)
+    prepared: dict[int, list[str]] = {}  # transaction -> the ids its prepare was given
+    applied: dict[int, list[str]] = {}  # transaction -> the ids its handlers applied
+
+    async def prepare(envelopes: Sequence[Envelope], uow: UnitOfWork) -> None:
+        txid = (await uow.execute("SELECT txid_current() AS t")).scalar_one()
+        assert txid not in prepared, "prepared twice"
+        prepared[txid] = [envelope.id for envelope in envelopes]
+
+    async def apply(envelope: Envelope, uow: UnitOfWork) -> None:
+        txid = (await uow.execute("SELECT txid_current() AS t")).scalar_one()
+        applied.setdefault(txid, []).append(envelope.id)
+        await gate.apply(envelope, uow)
+
+    async with probe(tuned(settings), apply, concurrency=1, batch=16, prepare=prepare) as runtime:
+        await held_then_batched(runtime, gate)
+
+    shared = {txid: ids for txid, ids in applied.items() if len(ids) > 1}
+    assert shared, "no batch was formed"
+    # Every shared transaction was prepared once, before its handlers, with exactly the
+    # messages it applied in their order; a message applied alone is not prepared.
+    assert prepared == shared
+
+
+async def test_a_prepare_that_fails_rolls_its_batch_back_and_each_message_is_applied_alone(
+    settings: Settings,
+) -> None:
+    gate = Gate(0)
+    failed = 0
+
+    async def prepare(envelopes: Sequence[Envelope], uow: UnitOfWork) -> None:
+        nonlocal failed
+        await uow.execute(
+            "INSERT INTO probe.steps (job_id, step) VALUES ('prepared', :n)", {"n": failed}
+        )
+        failed += 1
+        raise RuntimeError("the batch cannot be prepared")
+
+    async with probe(
+        tuned(settings), gate.apply, concurrency=1, batch=16, prepare=prepare
+    ) as runtime:
+        await publish(runtime, progress("first", 0))
+        await asyncio.wait_for(gate.arrived(0).wait(), 20)
+        await publish(runtime, *(progress(f"job-{n}", n) for n in range(1, 7)))
+        gate.release.set()
+        await eventually(lambda: _count(runtime, 7), within=20)
+        await eventually(lambda: _all_acked(runtime), within=20)
+        # Each message applied once, alone; nothing the failed prepare wrote committed.
+        assert await steps(runtime) == [("first", 0), *((f"job-{n}", n) for n in range(1, 7))]
+        dead = await runtime.js.stream_info(runtime.subjects.stream("DLQ"))
+        assert dead.state.messages == 0
+    assert failed >= 1

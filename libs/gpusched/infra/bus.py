@@ -52,6 +52,8 @@ EdgeHandler = Callable[[Envelope], Awaitable[None]]
 RequestHandler = Callable[[bytes], Awaitable[BaseModel]]
 # The partition key of a message: messages with the same key are applied in order.
 KeyOf = Callable[[Envelope], str | None]
+# Called once for a batch sharing one transaction, before its handlers (Consumer.prepare).
+Prepare = Callable[[Sequence[Envelope], UnitOfWork], Awaitable[None]]
 # Requests one endpoint handles at once (see serve_requests).
 REQUEST_CONCURRENCY = 64
 # Bound of one JetStream publish that waits for its ack (a dead letter, its audit record).
@@ -332,6 +334,26 @@ class Consumer:
     key: KeyOf | None = None
     concurrency: int | None = None
     batch: int = 1
+    # With `batch` > 1: called with the envelopes a shared transaction is about to apply
+    # (in stream order, duplicates left out), in that transaction, before their handlers,
+    # so that what they will read can be read for all of them at once (a round trip per
+    # batch, not per message). A hook that raises fails the batch like a handler does:
+    # everything rolls back and each message is applied alone, without the hook.
+    prepare: Prepare | None = None
+
+
+def _first_copies(
+    items: Sequence[tuple[Msg, Envelope | None]], unclaimed: set[str]
+) -> list[Envelope]:
+    """The envelopes of a batch its handlers will apply: those not applied before, each
+    id once, in order."""
+    seen: set[str] = set()
+    first: list[Envelope] = []
+    for _, envelope in items:
+        if envelope is not None and envelope.id in unclaimed and envelope.id not in seen:
+            seen.add(envelope.id)
+            first.append(envelope)
+    return first
 
 
 class DeadLetters:
@@ -618,6 +640,8 @@ class ConsumerRunner:
             unclaimed = await uow.claim_many(
                 [envelope.id for _, envelope in items if envelope is not None], consumer
             )
+            if self._c.prepare is not None:
+                await self._c.prepare(_first_copies(items, unclaimed), uow)
             for msg, envelope in items:
                 assert envelope is not None
                 with tracing.processing(

@@ -87,6 +87,7 @@ async def build(rt: ServiceRuntime) -> None:
             },
             key=by_request,
             batch=BATCH,
+            prepare=handlers.prepare,
         )
     )
     rt.consume(
@@ -106,6 +107,7 @@ async def build(rt: ServiceRuntime) -> None:
             # (FsspecStorage). Reading storage before the transaction opens, one claim at
             # a time, cost a third of the sagas per second (bench sagas).
             batch=BATCH,
+            prepare=handlers.prepare,
         )
     )
     rt.consume(
@@ -131,6 +133,7 @@ async def build(rt: ServiceRuntime) -> None:
             },
             key=by_allocation,
             batch=BATCH,
+            prepare=handlers.prepare,
         )
     )
     queries = Queries(rt.uow)

@@ -19,13 +19,16 @@ class comes from admission's grants and the eviction requests, never from the cl
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from itertools import pairwise
 from typing import Any, Final
+from weakref import WeakKeyDictionary
 
 from gpusched.checkpoint import metrics, store
 from gpusched.checkpoint.api import checkpoint_info
@@ -151,6 +154,44 @@ class SagaHandlers:
         self._trust = TrustPolicy({}) if trust is None else trust
         self._retention = retention_per_job
 
+    # --- a batch of messages sharing one transaction ----------------------------------------
+
+    async def prepare(self, envelopes: Sequence[Envelope], uow: UnitOfWork) -> None:
+        """The consumers' prepare hook (bus.Consumer.prepare): before a batch's handlers,
+        lock every saga they will read and find every latest checkpoint they will ask
+        for in one statement (store.lock_for_batch), while storage is read for all of
+        its claims at once rather than one after another. A message whose payload cannot
+        be read here is left to its handler, which says why."""
+        saga_ids: set[str] = set()
+        requests: set[str] = set()
+        live_jobs: set[str] = set()
+        latest_of: set[str] = set()
+        claims: list[Envelope] = []
+        for envelope in envelopes:
+            try:
+                _what_it_reads(envelope, saga_ids, requests, live_jobs, latest_of, claims)
+            except MalformedMessage:
+                continue
+        read = _CLAIMS.setdefault(uow, {})
+
+        async def read_claim(envelope: Envelope) -> None:
+            # Whatever goes wrong here, the handler reads the claim again and meets it
+            # there; only the statement below may fail the batch (nothing else here
+            # uses its connection).
+            with contextlib.suppress(Exception):
+                read[envelope.id] = await self.read_claim(envelope)
+
+        await asyncio.gather(
+            *(read_claim(envelope) for envelope in claims),
+            store.lock_for_batch(
+                uow,
+                saga_ids=saga_ids,
+                requests=requests,
+                live_jobs=live_jobs,
+                latest_of=latest_of,
+            ),
+        )
+
     # --- commands from preemption ---------------------------------------------------------
 
     async def on_eviction_requested(self, envelope: Envelope, uow: UnitOfWork) -> None:
@@ -239,7 +280,10 @@ class SagaHandlers:
     # --- job events -----------------------------------------------------------------------
 
     async def on_checkpoint_confirmed(self, envelope: Envelope, uow: UnitOfWork) -> None:
-        await self.apply_claim(await self.read_claim(envelope), uow)
+        claim = _CLAIMS.get(uow, {}).pop(envelope.id, None)  # read by `prepare`
+        if claim is None:
+            claim = await self.read_claim(envelope)
+        await self.apply_claim(claim, uow)
 
     async def read_claim(self, envelope: Envelope) -> Claim:
         """A checkpoint.confirmed and what storage says of its claim, without the
@@ -639,6 +683,49 @@ def _describe(saga: Saga) -> dict[str, Any]:
         "last_confirmed": (None if saga.last_confirmed is None else saga.last_confirmed.to_dict()),
         "lost_gpu_seconds": saga.lost_gpu_seconds,
     }
+
+
+# The claims `prepare` read for a batch's checkpoint.confirmed, by message id.
+_CLAIMS: WeakKeyDictionary[UnitOfWork, dict[str, Claim]] = WeakKeyDictionary()
+
+
+def _what_it_reads(
+    envelope: Envelope,
+    saga_ids: set[str],
+    requests: set[str],
+    live_jobs: set[str],
+    latest_of: set[str],
+    claims: list[Envelope],
+) -> None:
+    """Add what the handler of `envelope` will lock or read to the sets (`prepare`)."""
+
+    def reads_job_sagas(envelope: Envelope, request_id: str | None) -> None:
+        live_jobs.add(_job_of(envelope))
+        if request_id is not None:
+            requests.add(request_id)
+
+    match envelope.type:
+        case T.EVICTION_REQUESTED:
+            request = envelope.payload(wire.EvictionRequested)
+            requests.add(request.request_id)
+            latest_of.add(request.job_id)
+        case T.EVICTION_WITHDRAWN:
+            requests.add(envelope.payload(wire.EvictionWithdrawn).request_id)
+        case T.CHECKPOINT_CONFIRMED:
+            reads_job_sagas(envelope, envelope.payload(wire.CheckpointConfirmed).request_id)
+            claims.append(envelope)
+        case T.CHECKPOINT_FAILED:
+            reads_job_sagas(envelope, envelope.payload(wire.CheckpointFailed).request_id)
+        case T.JOB_COMPLETED:
+            live_jobs.add(_job_of(envelope, envelope.payload(wire.JobCompleted).job_id))
+        case T.JOB_FAILED:
+            live_jobs.add(_job_of(envelope, envelope.payload(wire.JobFailed).job_id))
+        case T.WORKLOAD_STOPPED:
+            stopped = envelope.payload(wire.WorkloadStopped)
+            if stopped.saga_id is not None:
+                saga_ids.add(stopped.saga_id)
+        case T.EVICT_FAILED:
+            saga_ids.add(envelope.payload(wire.EvictFailed).saga_id)
 
 
 def _job_of(envelope: Envelope, named: str | None = None) -> str:

@@ -13,13 +13,20 @@ every other saga the unit of work saved, in one statement (a batch of messages s
 one unit of work). Until then the unit of work holds the newest version; any read that
 could return that saga (by its id, request, job or allocation, which never change)
 writes the pending ones first, so no statement ever sees a stale saga.
+
+A batch of messages sharing one unit of work can go further (`lock_for_batch`, the
+consumer's prepare hook): one statement locks every saga its messages will read and
+finds the latest checkpoint of every job they will ask about; the reads below then
+answer from those rows (kept current by this unit of work's own saves, inserts and
+catalogue writes) instead of a round trip each. A read the batch did not cover goes to
+the database as before.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -66,6 +73,69 @@ def _sagas(uow: UnitOfWork, rows: Any) -> list[Saga]:
 
 # Sagas saved in a unit of work and not yet written, by id (the newest version of each).
 _PENDING: WeakKeyDictionary[UnitOfWork, dict[str, Saga]] = WeakKeyDictionary()
+
+
+@dataclass
+class _Batch:
+    """What `lock_for_batch` read for a unit of work, and which questions it answers."""
+
+    sagas: dict[str, Saga] = field(default_factory=dict)  # locked (or inserted), by id
+    saga_ids: set[str] = field(default_factory=set)  # found above if they exist
+    requests: set[str] = field(default_factory=set)  # the saga of each is above if any
+    live_jobs: set[str] = field(default_factory=set)  # their live sagas are above
+    latest: dict[str, CatalogueEntry | None] = field(default_factory=dict)  # by job
+
+    def by_request(self, request_id: str) -> Saga | None:
+        return next((s for s in self.sagas.values() if s.request_id == request_id), None)
+
+
+_BATCH: WeakKeyDictionary[UnitOfWork, _Batch] = WeakKeyDictionary()
+
+
+async def lock_for_batch(
+    uow: UnitOfWork,
+    *,
+    saga_ids: Collection[str] = (),
+    requests: Collection[str] = (),
+    live_jobs: Collection[str] = (),
+    latest_of: Collection[str] = (),
+) -> None:
+    """Lock, in one statement, the sagas with these ids, the sagas of these requests and
+    the live sagas of these jobs (in saga id order, as `lock_live_by_job` does), and
+    read the latest checkpoint of the jobs in `latest_of`: the reads of this unit of
+    work then answer from them."""
+    if not (saga_ids or requests or live_jobs or latest_of):
+        return
+    await _write_pending(uow)
+    batch = _BATCH.setdefault(uow, _Batch())
+    rows = await uow.fetch(
+        f"WITH locked AS ({_SELECT.format(schema=uow.schema)}"
+        "WHERE saga_id = ANY($1::text[]) OR request_id = ANY($2::text[]) "
+        "OR (job_id = ANY($3::text[]) AND state <> ALL($4::text[])) "
+        "ORDER BY saga_id FOR UPDATE) "
+        "SELECT data, trace, NULL::text AS job_id, NULL::text AS checkpoint_id, "
+        "NULL::bigint AS step, NULL::text AS uri, NULL::bigint AS bytes, "
+        "NULL::text AS sha256, NULL::text AS stage, NULL::timestamptz AS confirmed_at "
+        "FROM locked UNION ALL SELECT NULL, NULL, j.job_id, latest.* "
+        "FROM unnest($5::text[]) AS j(job_id) LEFT JOIN LATERAL "
+        f"({_latest_sql(uow.schema, 'j.job_id', 6)}) AS latest ON true",
+        list(saga_ids),
+        list(requests),
+        list(live_jobs),
+        _TERMINAL,
+        list(latest_of),
+        _stages_from(Stage.SNAPSHOTTED),
+        Stage.PERSISTED.value,
+    )
+    for row in rows:
+        if row["data"] is not None:
+            saga = _saga(uow, row)
+            batch.sagas[saga.saga_id] = saga
+        else:
+            batch.latest[row["job_id"]] = _entry(row)
+    batch.saga_ids.update(saga_ids)
+    batch.requests.update(requests)
+    batch.live_jobs.update(live_jobs)
 
 
 async def _write_pending(uow: UnitOfWork, touches: Callable[[Saga], bool] | None = None) -> None:
@@ -124,6 +194,8 @@ async def insert_saga(
     if row is None:
         return False
     _remember_trace(uow, saga.saga_id, trace)
+    if (batch := _BATCH.get(uow)) is not None:
+        batch.sagas[saga.saga_id] = saga
     return True
 
 
@@ -146,6 +218,8 @@ async def save_saga(uow: UnitOfWork, saga: Saga) -> None:
         pending = _PENDING[uow] = {}
         uow.before_commit(lambda: _write_pending(uow))
     pending[saga.saga_id] = saga
+    if (batch := _BATCH.get(uow)) is not None and saga.saga_id in batch.sagas:
+        batch.sagas[saga.saga_id] = saga
 
 
 _SELECT = "SELECT data::text AS data, trace::text AS trace FROM {schema}.sagas "
@@ -160,10 +234,15 @@ async def _one(
 
 
 async def lock_saga(uow: UnitOfWork, saga_id: str) -> Saga | None:
+    batch = _BATCH.get(uow)
+    if batch is not None and (saga_id in batch.sagas or saga_id in batch.saga_ids):
+        return batch.sagas.get(saga_id)
     return await _one(uow, lambda s: s.saga_id == saga_id, "WHERE saga_id = $1 FOR UPDATE", saga_id)
 
 
 async def lock_by_request(uow: UnitOfWork, request_id: str) -> Saga | None:
+    if (batch := _BATCH.get(uow)) is not None and request_id in batch.requests:
+        return batch.by_request(request_id)
     return await _one(
         uow, lambda s: s.request_id == request_id, "WHERE request_id = $1 FOR UPDATE", request_id
     )
@@ -173,10 +252,13 @@ async def lock_request_and_latest(
     uow: UnitOfWork, request_id: str, job_id: str
 ) -> tuple[Saga | None, CatalogueEntry | None]:
     """`lock_by_request` and `latest_checkpoint` of the job, in one round trip."""
+    batch = _BATCH.get(uow)
+    if batch is not None and request_id in batch.requests and job_id in batch.latest:
+        return batch.by_request(request_id), batch.latest[job_id]
     await _write_pending(uow, lambda s: s.request_id == request_id)
     row = await uow.fetchrow(
         f"WITH saga AS ({_SELECT.format(schema=uow.schema)} WHERE request_id = $1 FOR UPDATE), "
-        f"latest AS ({_latest_sql(uow.schema, 2)}) "
+        f"latest AS ({_latest_sql(uow.schema, '$2', 3)}) "
         "SELECT saga.data, saga.trace, latest.* FROM (SELECT 1) AS one "
         "LEFT JOIN saga ON true LEFT JOIN latest ON true",
         request_id,
@@ -215,6 +297,21 @@ async def lock_live_by_job(
     """The job's live sagas, and the (maybe ended) saga of `request_id` if it is the
     job's: an answer to a request that arrives after its saga ended is still worth
     an audit record."""
+    batch = _BATCH.get(uow)
+    if (
+        batch is not None
+        and job_id in batch.live_jobs
+        and (request_id is None or request_id in batch.requests)
+    ):
+        return sorted(
+            (
+                s
+                for s in batch.sagas.values()
+                if s.job_id == job_id
+                and (s.state not in TERMINAL_STATES or s.request_id == request_id)
+            ),
+            key=lambda s: s.saga_id,
+        )
     await _write_pending(uow, lambda s: s.job_id == job_id)
     # Ordered by id so that two transactions locking the same sagas cannot deadlock.
     rows = await uow.fetch(
@@ -277,6 +374,8 @@ async def record_checkpoint(
     """None if this checkpoint was already confirmed at this stage; else how many
     checkpoints of the job the catalogue now holds (so the caller retires old ones only
     when there are more than it keeps, without a statement to find out)."""
+    if (batch := _BATCH.get(uow)) is not None:
+        batch.latest.pop(job_id, None)  # the job's latest may be this one now
     # RETURNING's subquery reads the statement's snapshot, which holds the job's other
     # checkpoints but not this row: count them, and this one.
     row = await uow.fetchrow(
@@ -298,13 +397,13 @@ async def record_checkpoint(
     return None if row is None else int(row["catalogued"])
 
 
-def _latest_sql(schema: str, n: int) -> str:
-    """The job's latest checkpoint; parameters $n (the job), $n+1 (the stages it may
-    be at), $n+2 (the most durable stage)."""
+def _latest_sql(schema: str, job: str, n: int) -> str:
+    """The latest checkpoint of the job `job` (an SQL expression) names; parameters $n
+    (the stages it may be at) and $n+1 (the most durable stage)."""
     return (
         "SELECT checkpoint_id, step, uri, bytes, sha256, stage, confirmed_at "
-        f"FROM {schema}.checkpoints WHERE job_id = ${n} AND stage = ANY(${n + 1}) "
-        f"ORDER BY step DESC, (stage = ${n + 2}) DESC, confirmed_at DESC LIMIT 1"
+        f"FROM {schema}.checkpoints WHERE job_id = {job} AND stage = ANY(${n}) "
+        f"ORDER BY step DESC, (stage = ${n + 1}) DESC, confirmed_at DESC LIMIT 1"
     )
 
 
@@ -317,7 +416,7 @@ async def latest_checkpoint(
 ) -> CatalogueEntry | None:
     """The highest step of the job; at the same step the most durable stage first."""
     row = await uow.fetchrow(
-        _latest_sql(uow.schema, 1),
+        _latest_sql(uow.schema, "$1", 2),
         job_id,
         _stages_from(min_stage),
         Stage.PERSISTED.value,
