@@ -1022,9 +1022,15 @@ async def test_a_mass_eviction_applied_in_shared_transactions_ends_every_saga_as
         await confirm(rt, v, 10, StageName.PERSISTED)
     await eventually(lambda: _catalogued(rt, len(victims[::2])), within=WITHIN)
     await asyncio.gather(*(request_eviction(rt, v) for v in victims))
-    # A second request for an allocation already being evicted, among the first ones.
-    await request_eviction(rt, victims[0], request_id=f"req-again-{victims[0].job_id}")
+    # A second request for victim 0's allocation, among the first ones. The two keys
+    # (requests) are applied without an order between them: the one-live-saga index
+    # lets exactly one open a saga, whichever it is, and the other is ignored.
+    again = f"req-again-{victims[0].job_id}"
+    await request_eviction(rt, victims[0], request_id=again)
     requested = {v.job_id: await checkpoint_requested(rt, v) for v in victims}
+    request_of = {v.job_id: str(requested[v.job_id].data["request_id"]) for v in victims}
+    assert request_of[victims[0].job_id] in (victims[0].request_id, again)
+    assert all(request_of[v.job_id] == v.request_id for v in victims[1:])
     # Each saga began with its job's latest checkpoint, read for the whole batch.
     for index, v in enumerate(victims):
         earlier = (await saga_of(rt, v.job_id))["last_confirmed"]
@@ -1033,7 +1039,7 @@ async def test_a_mass_eviction_applied_in_shared_transactions_ends_every_saga_as
         else:
             assert earlier is None, v
 
-    await asyncio.gather(*(confirm(rt, v, 100, request_id=v.request_id) for v in victims))
+    await asyncio.gather(*(confirm(rt, v, 100, request_id=request_of[v.job_id]) for v in victims))
     commands = await wait_for(rt, evict_commands(rt), len(victims))
     assert sorted(c.data["job_id"] for c in commands) == sorted(v.job_id for v in victims)
     await asyncio.gather(
@@ -1041,7 +1047,7 @@ async def test_a_mass_eviction_applied_in_shared_transactions_ends_every_saga_as
     )
     completed = await wait_for(rt, outcome(rt, T.EVICTION_COMPLETED), len(victims))
 
-    assert sorted(c.data["request_id"] for c in completed) == sorted(v.request_id for v in victims)
+    assert sorted(c.data["request_id"] for c in completed) == sorted(request_of.values())
     assert all(c.data["checkpoint"]["checkpoint_id"] == "ckpt-100" for c in completed)
     for v in victims:
         saga_id = str(requested[v.job_id].correlation_id)
@@ -1060,7 +1066,8 @@ async def test_a_mass_eviction_applied_in_shared_transactions_ends_every_saga_as
     ignored = await wait_for_audit(
         rt, str(requested[victims[0].job_id].correlation_id), "saga.input_ignored"
     )
-    assert ignored["details"]["request_id"] == f"req-again-{victims[0].job_id}"
+    loser = ({victims[0].request_id, again} - {request_of[victims[0].job_id]}).pop()
+    assert ignored["details"]["request_id"] == loser
     assert len(await saga_rows(rt)) == len(victims)
     # The messages did share transactions: inbox rows written by one transaction.
     async with rt.uow() as uow:
