@@ -337,11 +337,14 @@ async def test_a_batch_is_prepared_once_in_its_own_transaction_with_what_it_appl
     gate = Gate(0)
     prepared: dict[int, list[str]] = {}  # transaction -> the ids its prepare was given
     applied: dict[int, list[str]] = {}  # transaction -> the ids its handlers applied
+    handled_before_prepare: list[int] = []
 
     async def prepare(envelopes: Sequence[Envelope], uow: UnitOfWork) -> None:
         txid = (await uow.execute("SELECT txid_current() AS t")).scalar_one()
         assert txid not in prepared, "prepared twice"
         prepared[txid] = [envelope.id for envelope in envelopes]
+        if txid in applied:
+            handled_before_prepare.append(txid)
 
     async def apply(envelope: Envelope, uow: UnitOfWork) -> None:
         txid = (await uow.execute("SELECT txid_current() AS t")).scalar_one()
@@ -356,6 +359,7 @@ async def test_a_batch_is_prepared_once_in_its_own_transaction_with_what_it_appl
     # Every shared transaction was prepared once, before its handlers, with exactly the
     # messages it applied in their order; a message applied alone is not prepared.
     assert prepared == shared
+    assert handled_before_prepare == []
 
 
 async def test_a_prepare_that_fails_rolls_its_batch_back_and_each_message_is_applied_alone(
