@@ -237,3 +237,27 @@ async def test_a_batch_lock_answers_the_reads_it_covers_from_its_rows_and_holds_
     async with rt.uow() as uow:
         assert await store.get_saga(uow, "saga-11") == ended
         assert await store.get_saga(uow, successor.saga_id) == successor
+
+
+async def test_a_job_naming_another_jobs_request_in_a_batch_neither_locks_nor_reads_its_saga(
+    rt: ServiceRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's checkpoint answer names a request id of its choosing: the batch locks the
+    saga of that request only if it is the job's, as `lock_live_by_job` reads it."""
+    await stored(rt, opened(21), opened(22))
+    async with rt.uow() as uow:
+        sent = Statements(uow, monkeypatch)
+        await store.lock_for_batch(
+            uow, live_jobs={"job-21"}, job_requests={("job-21", "req-22"), ("job-21", "req-21")}
+        )
+        # The other job's saga is free for another transaction.
+        async with rt.uow() as other:
+            assert await other.fetch(
+                "SELECT 1 FROM checkpoint.sagas WHERE saga_id = 'saga-22' FOR UPDATE NOWAIT"
+            )
+            await other.commit()
+        twenty_one = await store.lock_saga(uow, "saga-21")
+        assert twenty_one is not None
+        assert await store.lock_live_by_job(uow, "job-21", "req-22") == [twenty_one]
+        assert await store.lock_live_by_job(uow, "job-21", "req-21") == [twenty_one]
+        assert sent.count == 1

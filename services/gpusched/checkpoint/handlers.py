@@ -165,11 +165,14 @@ class SagaHandlers:
         saga_ids: set[str] = set()
         requests: set[str] = set()
         live_jobs: set[str] = set()
+        job_requests: set[tuple[str, str]] = set()
         latest_of: set[str] = set()
         claims: list[Envelope] = []
         for envelope in envelopes:
             try:
-                _what_it_reads(envelope, saga_ids, requests, live_jobs, latest_of, claims)
+                _what_it_reads(
+                    envelope, saga_ids, requests, live_jobs, job_requests, latest_of, claims
+                )
             except MalformedMessage:
                 continue
         read = _CLAIMS.setdefault(uow, {})
@@ -188,6 +191,7 @@ class SagaHandlers:
                 saga_ids=saga_ids,
                 requests=requests,
                 live_jobs=live_jobs,
+                job_requests=job_requests,
                 latest_of=latest_of,
             ),
         )
@@ -694,15 +698,18 @@ def _what_it_reads(
     saga_ids: set[str],
     requests: set[str],
     live_jobs: set[str],
+    job_requests: set[tuple[str, str]],
     latest_of: set[str],
     claims: list[Envelope],
 ) -> None:
     """Add what the handler of `envelope` will lock or read to the sets (`prepare`)."""
 
     def reads_job_sagas(envelope: Envelope, request_id: str | None) -> None:
-        live_jobs.add(_job_of(envelope))
+        job_id = _job_of(envelope)
+        live_jobs.add(job_id)
         if request_id is not None:
-            requests.add(request_id)
+            # Only if it is this job's: a job may name any request id.
+            job_requests.add((job_id, request_id))
 
     match envelope.type:
         case T.EVICTION_REQUESTED:

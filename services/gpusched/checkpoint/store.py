@@ -82,6 +82,8 @@ class _Batch:
     sagas: dict[str, Saga] = field(default_factory=dict)  # locked (or inserted), by id
     saga_ids: set[str] = field(default_factory=set)  # found above if they exist
     requests: set[str] = field(default_factory=set)  # the saga of each is above if any
+    # (job, request): the request's saga is above if it is the job's.
+    job_requests: set[tuple[str, str]] = field(default_factory=set)
     live_jobs: set[str] = field(default_factory=set)  # their live sagas are above
     latest: dict[str, CatalogueEntry | None] = field(default_factory=dict)  # by job
 
@@ -98,13 +100,15 @@ async def lock_for_batch(
     saga_ids: Collection[str] = (),
     requests: Collection[str] = (),
     live_jobs: Collection[str] = (),
+    job_requests: Collection[tuple[str, str]] = (),
     latest_of: Collection[str] = (),
 ) -> None:
-    """Lock, in one statement, the sagas with these ids, the sagas of these requests and
-    the live sagas of these jobs (in saga id order, as `lock_live_by_job` does), and
-    read the latest checkpoint of the jobs in `latest_of`: the reads of this unit of
-    work then answer from them."""
-    if not (saga_ids or requests or live_jobs or latest_of):
+    """Lock, in one statement, the sagas with these ids, the sagas of these requests,
+    the live sagas of these jobs and the saga of each (job, request) if it is that
+    job's (a job's answer names a request, but must not lock another job's saga), in
+    saga id order as `lock_live_by_job` does, and read the latest checkpoint of the
+    jobs in `latest_of`: the reads of this unit of work then answer from them."""
+    if not (saga_ids or requests or live_jobs or job_requests or latest_of):
         return
     await _write_pending(uow)
     batch = _BATCH.setdefault(uow, _Batch())
@@ -112,6 +116,7 @@ async def lock_for_batch(
         f"WITH locked AS ({_SELECT.format(schema=uow.schema)}"
         "WHERE saga_id = ANY($1::text[]) OR request_id = ANY($2::text[]) "
         "OR (job_id = ANY($3::text[]) AND state <> ALL($4::text[])) "
+        "OR (job_id, request_id) IN (SELECT * FROM unnest($8::text[], $9::text[])) "
         "ORDER BY saga_id FOR UPDATE) "
         "SELECT data, trace, NULL::text AS job_id, NULL::text AS checkpoint_id, "
         "NULL::bigint AS step, NULL::text AS uri, NULL::bigint AS bytes, "
@@ -126,6 +131,8 @@ async def lock_for_batch(
         list(latest_of),
         _stages_from(Stage.SNAPSHOTTED),
         Stage.PERSISTED.value,
+        [job for job, _ in job_requests],
+        [request for _, request in job_requests],
     )
     for row in rows:
         if row["data"] is not None:
@@ -136,6 +143,7 @@ async def lock_for_batch(
     batch.saga_ids.update(saga_ids)
     batch.requests.update(requests)
     batch.live_jobs.update(live_jobs)
+    batch.job_requests.update(job_requests)
 
 
 async def _write_pending(uow: UnitOfWork, touches: Callable[[Saga], bool] | None = None) -> None:
@@ -301,7 +309,11 @@ async def lock_live_by_job(
     if (
         batch is not None
         and job_id in batch.live_jobs
-        and (request_id is None or request_id in batch.requests)
+        and (
+            request_id is None
+            or request_id in batch.requests
+            or (job_id, request_id) in batch.job_requests
+        )
     ):
         return sorted(
             (
