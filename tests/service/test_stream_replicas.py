@@ -35,17 +35,19 @@ from gpusched.infra.settings import Settings
 from gpusched.infra.supervisor import spawn_bound_child
 
 SERVERS = 3
+PORT_ATTEMPTS = 3
 
 
 class Cluster:
     """Three nats-servers routed to each other, each with its own JetStream store."""
 
     def __init__(self, root: Path) -> None:
+        self.base = root
         self.root = root
         self.names = [f"n{i}" for i in range(SERVERS)]
-        self.client_ports = [free_port() for _ in self.names]
-        self.monitor_ports = [free_port() for _ in self.names]
-        self.route_ports = [free_port() for _ in self.names]
+        self.client_ports: list[int] = []
+        self.monitor_ports: list[int] = []
+        self.route_ports: list[int] = []
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -53,6 +55,41 @@ class Cluster:
         return [f"nats://127.0.0.1:{port}" for port in self.client_ports]
 
     def start(self) -> None:
+        """Start the three servers and wait until the cluster has formed.
+
+        Ports are picked free, but another test's server (the suite runs in parallel)
+        can take one before ours binds it; the server then exits at once, and the
+        cluster starts again on fresh ports, as the embedded servers do."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._choose_ports(attempt)
+            self._launch()
+            deadline = time.monotonic() + 60
+            while not all(self._healthy(port) for port in self.monitor_ports):
+                exited = [n for n, p in self.processes.items() if p.poll() is not None]
+                if exited:
+                    self.stop()
+                    if "already in use" in self.logs() and attempt < PORT_ATTEMPTS:
+                        break
+                    raise AssertionError(f"NATS server {exited} exited:\n{self.logs()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the NATS cluster did not form in 60 s:\n{self.logs()}")
+                time.sleep(0.2)
+            else:
+                return
+
+    def _choose_ports(self, attempt: int) -> None:
+        self.root = self.base / f"attempt-{attempt}"
+        ports: list[int] = []
+        while len(ports) < 3 * SERVERS:  # nine distinct ports
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        self.client_ports = ports[:SERVERS]
+        self.monitor_ports = ports[SERVERS : 2 * SERVERS]
+        self.route_ports = ports[2 * SERVERS :]
+        self.processes = {}
+
+    def _launch(self) -> None:
         routes = [f"nats-route://127.0.0.1:{port}" for port in self.route_ports]
         for i, name in enumerate(self.names):
             folder = self.root / name
@@ -73,11 +110,6 @@ class Cluster:
                     stderr=subprocess.STDOUT,
                     cwd=folder,
                 )
-        deadline = time.monotonic() + 60
-        while not all(self._healthy(port) for port in self.monitor_ports):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the NATS cluster did not form in 60 s:\n{self.logs()}")
-            time.sleep(0.2)
 
     def kill(self, name: str) -> None:
         process = self.processes[name]
