@@ -141,3 +141,24 @@ def test_gpusched_auth_issue_writes_an_agent_credential_naming_its_teams(
     assert claims["nats"]["tags"] == ["team:nlp", "team:vision"]
     assert main(["auth", "issue", "--agent", "k8s", "--dir", str(bundle.root)]) != 0
     assert "--teams goes with --agent" in capsys.readouterr().err
+
+
+def test_gpusched_auth_issue_gives_a_dotted_node_its_subject_and_refuses_a_typo(
+    servers: Servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import base64
+
+    from gpusched.cli.main import main
+
+    bundle = _auth(servers)
+    out = tmp_path / "node.creds"
+    argv = ["auth", "issue", "--dir", str(bundle.root), "--prefix", "gpusched"]
+    assert main([*argv, "--node", "ip-10-0-1-23.ec2.internal", "--out", str(out)]) == 0
+    jwt = out.read_text().split("-----BEGIN NATS USER JWT-----")[1].split("------END")[0].strip()
+    claims = json.loads(base64.urlsafe_b64decode(jwt.split(".")[1] + "=="))
+    # The node issuer's scope lets a node publish on its own name: the subject token.
+    assert claims["name"] == "gpusched.telemetry.gpu.ip-10-0-1-23~ec2~internal"
+
+    assert main([*argv, "--node", "gpu node 7"]) != 0
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "cannot be used in a subject" in line

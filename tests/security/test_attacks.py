@@ -320,22 +320,33 @@ async def test_nobody_but_the_services_sends_agent_commands_or_writes_the_audit_
     await team.nc.close()
 
 
+@pytest.mark.parametrize(
+    ("own", "other"),
+    [("shared-00", "inf-00"), ("ip-10-0-1-23.ec2.internal", "ip-10-0-1-24.ec2.internal")],
+    ids=["token-name", "dotted-name"],
+)
 async def test_a_node_publishes_only_its_own_telemetry(
-    servers: Servers, own_identities: Settings, harness: NatsClient, tmp_path: Path
+    servers: Servers,
+    own_identities: Settings,
+    harness: NatsClient,
+    tmp_path: Path,
+    own: str,
+    other: str,
 ) -> None:
     s = Subjects(own_identities.subject_prefix)
-    creds = (
-        _auth(servers)
-        .node_credentials_issuer()
-        .creds(Identity(node_user_name(s.prefix, "shared-00")))
-    )
+    creds = _auth(servers).node_credentials_issuer().creds(Identity(node_user_name(s.prefix, own)))
     node = await connect(servers.nats_url, creds, tmp_path, "node")
-    await node.publish(s.telemetry_gpu("shared-00"))
-    await node.publish(s.telemetry_gpu("inf-00"))
-    assert await node.violated(s.telemetry_gpu("inf-00"))
+    await node.publish(s.telemetry_gpu(own))
+    await node.publish(s.telemetry_gpu(other))
+    assert await node.violated(s.telemetry_gpu(other))
+    # A dotted name's subject writes its dots as `~`; its raw name is other subjects.
+    raw = f"{s.prefix}.telemetry.gpu.{own}"
+    if "." in own:
+        await node.publish(raw)
+        assert await node.violated(raw)
     telemetry = s.stream("TELEMETRY")
-    assert await stored(harness, telemetry, s.stored_telemetry_gpu("shared-00")) == 1
-    assert await stored(harness, telemetry, s.stored_telemetry_gpu("inf-00")) == 0
+    assert await stored(harness, telemetry, s.stored_telemetry_gpu(own)) == 1
+    assert await stored(harness, telemetry, s.stored_telemetry_gpu(other)) == 0
     await node.nc.close()
 
 

@@ -338,13 +338,24 @@ async def test_an_added_node_takes_queued_work(
 async def test_a_node_whose_name_is_no_subject_token_is_added_with_a_note(
     admission: Admission, nodes: Nodes
 ) -> None:
+    spaced = {**NEW_NODE, "name": "gpu node 7"}
+
+    added = await nodes.ask(NodeVerb.ADD, spec=spaced, operator="ops", reason="typo")
+
+    assert added["ok"], added
+    assert added["notes"] == [untelemetered_note("gpu node 7")]
+    assert "no GPU telemetry" in added["notes"][0]
+
+
+async def test_a_node_named_as_kubernetes_names_it_is_added_without_a_note(
+    admission: Admission, nodes: Nodes
+) -> None:
     dotted = {**NEW_NODE, "name": "ip-10-0-1-23.ec2.internal"}
 
     added = await nodes.ask(NodeVerb.ADD, spec=dotted, operator="ops", reason="eks node")
 
     assert added["ok"], added
-    assert added["notes"] == [untelemetered_note("ip-10-0-1-23.ec2.internal")]
-    assert "no GPU telemetry" in added["notes"][0]
+    assert added["notes"] == []
 
 
 async def test_an_added_node_keeps_its_mig_flag_and_disk_across_a_restart(

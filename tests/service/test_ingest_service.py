@@ -31,7 +31,7 @@ from gpusched.contracts.messages import (
     PoolState,
     T,
 )
-from gpusched.contracts.subjects import telemetry_partition
+from gpusched.contracts.subjects import node_token, telemetry_partition
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import IngestSettings, Settings
@@ -165,6 +165,44 @@ async def test_a_snapshot_holds_each_pools_mean_utilization_over_the_window(
     assert snapshot.window_s == 30.0
     [chat] = snapshot.services
     assert (chat.service, chat.p99_ms, chat.queue_depth, chat.requests) == ("chat", 180, 7, 500)
+
+
+async def test_nodes_named_as_kubernetes_names_them_report_into_their_pools(
+    ingest: ServiceRuntime,
+) -> None:
+    """EKS names nodes `ip-10-0-1-23.ec2.internal`: their samples travel on the subject
+    with the dots written `~`, and count for the node the inventory names; a sample that
+    names another node than its subject's is dead-lettered."""
+    inf, shared = "ip-10-0-1-23.ec2.internal", "ip-10-0-1-24.ec2.internal"
+    await admission_event(
+        ingest,
+        T.INVENTORY_LOADED,
+        InventoryLoaded(
+            nodes=[
+                InventoryNode(name=inf, pool="inference", gpu_model="A100-80GB", gpus=2),
+                InventoryNode(name=shared, pool="shared", gpu_model="A100-80GB", gpus=2),
+            ]
+        ),
+    )
+    assert ingest.subjects.telemetry_gpu(inf).endswith(".ip-10-0-1-23~ec2~internal")
+    forged = GpuSample(
+        node=inf,
+        time=utcnow(),
+        gpus=[GpuReading(index=0, util=0.01, mem_used_mib=1, mem_total_mib=81920)],
+    )
+    await publish(ingest, ingest.subjects.telemetry_gpu(shared), T.GPU_SAMPLE, forged)
+    await gpu_sample(ingest, inf, {0: 0.9, 1: 0.7})
+    await gpu_sample(ingest, shared, {0: 0.3, 1: 0.5})
+
+    snapshot = await snapshot_where(
+        ingest,
+        lambda s: pools(s)["inference"].reporting_gpus + pools(s)["shared"].reporting_gpus == 4,
+    )
+    assert pools(snapshot)["inference"].util == pytest.approx(0.8)
+    assert pools(snapshot)["shared"].util == pytest.approx(0.4)
+    [dead] = await stream_messages(ingest.js, ingest.subjects.dead_letter("ingest"), 1)
+    assert dead.headers["Gpusched-Original-Subject"] == ingest.subjects.telemetry_gpu(shared)
+    assert "does not match the subject" in dead.headers["Gpusched-Error"]
 
 
 async def test_a_lent_gpu_serves_inference_once_training_has_released_it(
@@ -369,13 +407,14 @@ async def test_the_stream_stores_each_node_under_the_partition_ingest_computes(
 ) -> None:
     """The TELEMETRY stream's subject transform and telemetry_partition agree, so a
     scraped sample lands in the share of the replica that owns its node."""
-    nodes = [f"node-{i}" for i in range(40)]
+    # Names as Kubernetes gives them (EKS) too: their tokens write dots as `~`.
+    nodes = [f"node-{i}" for i in range(40)] + [f"ip-10-0-1-{i}.ec2.internal" for i in range(20)]
     for node in nodes:
         await gpu_sample(ingest, node, {0: 0.5})
     prefix = ingest.subjects.prefix
     stored = await stream_messages(ingest.js, f"{prefix}.telemetry.gpu.*.*", len(nodes))
     partitions = {m.subject.split(".")[4]: int(m.subject.split(".")[3]) for m in stored}
-    assert partitions == {node: telemetry_partition(node) for node in nodes}
+    assert partitions == {node_token(node): telemetry_partition(node) for node in nodes}
     assert {m.subject for m in stored} == {ingest.subjects.stored_telemetry_gpu(n) for n in nodes}
     assert len(set(partitions.values())) > 8  # the nodes spread over the partitions
 

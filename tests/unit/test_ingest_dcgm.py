@@ -61,6 +61,23 @@ def test_a_target_that_names_its_node_overrides_the_hostname_label() -> None:
     assert [s.node for s in parsed.samples] == ["inf-1"]
 
 
+@pytest.mark.parametrize(
+    ("host", "sampled"),
+    [("ip-10-0-1-23.ec2.internal", True), ("gpu node 7", False), ("n..x", False)],
+)
+def test_a_hostname_as_kubernetes_gives_it_is_a_node_and_a_typo_is_refused(
+    host: str, sampled: bool
+) -> None:
+    text = (
+        f'DCGM_FI_DEV_GPU_UTIL{{gpu="0",Hostname="{host}"}} 40\n'
+        f'DCGM_FI_DEV_FB_USED{{gpu="0",Hostname="{host}"}} 1\n'
+        f'DCGM_FI_DEV_FB_FREE{{gpu="0",Hostname="{host}"}} 1\n'
+    )
+    parsed = dcgm.samples_from_series(dcgm.parse_exporter_text(text), AT)
+    assert [s.node for s in parsed.samples] == ([host] if sampled else [])
+    assert parsed.refused == ({} if sampled else {"bad_node": 1})
+
+
 def _same(text: str) -> bool:
     def outcome(parse: Callable[[str], list[dcgm.Series]]) -> object:
         try:

@@ -164,14 +164,15 @@ def test_a_sample_per_node_shows_serving_training_and_idle_gpus() -> None:
 
 
 def test_a_node_no_telemetry_subject_can_name_is_skipped_and_the_others_sampled() -> None:
-    # A node a Kubernetes cluster could name (dots) or a typo (a space): one such node
-    # once stopped every node's samples and the inference stats behind them.
+    # A typo (a space, an empty label): one such node once stopped every node's samples
+    # and the inference stats behind them. A name as Kubernetes gives it (dots) is sampled.
     samples = gpu_samples(
         ClusterView(),
-        [GpuRef("gpu-a", 0), GpuRef("ip-10-0-1-23.ec2.internal", 0), GpuRef("n x", 1)],
+        [GpuRef("gpu-a", 0), GpuRef("ip-10-0-1-23.ec2.internal", 0), GpuRef("n x", 1),
+         GpuRef("n..y", 0)],
         0.0, 1, NOW,
     )  # fmt: skip
-    assert [s.node for s in samples] == ["gpu-a"]
+    assert [s.node for s in samples] == ["gpu-a", "ip-10-0-1-23.ec2.internal"]
 
 
 def test_a_node_missing_from_the_inventory_still_reports_its_busy_gpus() -> None:

@@ -241,6 +241,10 @@ def test_a_valid_message_keeps_its_validated_payload_for_the_handler() -> None:
         (sample(index=True), "p.telemetry.gpu.n1", "gpus.0.index"),
         ({**sample(), "gpus": sample()["gpus"] * 2}, "p.telemetry.gpu.n1", "appears twice"),
         (sample(node="n2"), "p.telemetry.gpu.n1", "does not match the subject"),
+        (sample(node="ip-1.ec2.internal"), "p.telemetry.gpu.ip-2~ec2~internal", "does not"),
+        (sample(node="ip-1_ec2_internal"), "p.telemetry.gpu.ip-1~ec2~internal", "does not"),
+        (sample(node="ip-1.ec2.internal"), "p.telemetry.gpu.ip-1_ec2_internal", "does not"),
+        (sample(node="n1..x"), "p.telemetry.gpu.n1~~x", "cannot be used in a subject"),
         ({**sample(), "time": "9999-12-31T00:00:00Z"}, "p.telemetry.gpu.n1", "ahead"),
         ({**sample(), "time": "2000-01-01T00:00:00Z"}, "p.telemetry.gpu.n1", "old"),
         ({**sample(), "time": "2026-12-02T12:00:00"}, "p.telemetry.gpu.n1", "time zone"),
@@ -253,6 +257,10 @@ def test_a_valid_message_keeps_its_validated_payload_for_the_handler() -> None:
         "bool-index",
         "duplicate-index",
         "other-node",
+        "other-dotted-node",
+        "underscores-for-dots",
+        "dots-for-underscores",
+        "empty-label",
         "far-future",
         "far-past",
         "naive-time",
@@ -261,6 +269,15 @@ def test_a_valid_message_keeps_its_validated_payload_for_the_handler() -> None:
 def test_a_bad_gpu_sample_is_malformed(data: dict[str, Any], subject: str, says: str) -> None:
     with pytest.raises(MalformedMessage, match=says):
         read_message(raw_envelope("gpu.sample", data), subject, NOW)
+
+
+def test_a_node_named_with_dots_speaks_on_its_subject_with_tildes() -> None:
+    # Kubernetes names nodes as DNS names (EKS: ip-10-0-1-23.ec2.internal).
+    data = sample(node="ip-10-0-1-23.ec2.internal")
+    for subject in ("p.telemetry.gpu.ip-10-0-1-23~ec2~internal",
+                    "p.telemetry.gpu.7.ip-10-0-1-23~ec2~internal"):  # fmt: skip
+        envelope = read_message(raw_envelope("gpu.sample", data), subject, NOW)
+        assert envelope.payload(GpuSample).node == "ip-10-0-1-23.ec2.internal"
 
 
 def test_inference_stats_name_the_service_of_their_subject() -> None:

@@ -118,7 +118,7 @@ def issue(
         if node is not None:
             node_prefix = prefix or stack_settings(settings).subject_prefix
             identity = Identity(node_user_name(node_prefix, node), ttl_s=ttl)
-            Subjects(node_prefix).telemetry_gpu(node)  # a node name that is a subject token
+            Subjects(node_prefix).telemetry_gpu(node)  # a name a subject token stands for
             creds = bundle.node_credentials_issuer().creds(identity)
         elif team is not None:
             creds = natsauth.issue_client(bundle, "team", team, ttl_s=ttl)

@@ -122,7 +122,10 @@ _STREAMS: tuple[tuple[str, str, tuple[str, ...], str, tuple[str, ...], str], ...
 
 _PARAMETERS = {
     "job_id": "The job's id, e.g. job-0123456789ab.",
-    "node": "The node's name (letters, digits, '-' and '_').",
+    "node": (
+        "The node's name as one token: letters, digits, '-' and '_', each dot of a name"
+        " written '~' (ip-10-0-1-23.ec2.internal: ip-10-0-1-23~ec2~internal)."
+    ),
     "service": "The inference service's name.",
     "action": "The audited action, e.g. preempt.expand (it may hold dots).",
 }

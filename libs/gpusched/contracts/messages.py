@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpusched.contracts.subjects import check_token
+from gpusched.contracts.subjects import check_token, node_token
 from gpusched.contracts.validation import (
     MAX_WORKLOAD_SECONDS,
     Argv,
@@ -194,8 +194,9 @@ class GpuSample(Public):
 
     @field_validator("node")
     @classmethod
-    def _node_is_token(cls, v: str) -> str:
-        return check_token(v, "node")
+    def _node_has_token(cls, v: str) -> str:
+        node_token(v)  # its telemetry subject names it
+        return v
 
     @field_validator("gpus")
     @classmethod

@@ -4,18 +4,30 @@ Public (stable) subjects: `<p>.jobs.<job_id>.control|events`, `<p>.telemetry.gpu
 `<p>.telemetry.inference.<service>`, `<p>.audit.<action>`, `<p>.api.jobs.submit|get`.
 Internal subjects (`<p>.evt.*`, `<p>.cmd.*`) may change between versions.
 
+`<node>` is the node's name as one subject token (`node_token`): the name itself, with
+each dot written `~` (a dot would split the subject). So the node names Kubernetes gives
+(`ip-10-0-1-23.ec2.internal` on EKS) have a telemetry subject
+(`<p>.telemetry.gpu.ip-10-0-1-23~ec2~internal`); a name that is a token already keeps
+it, and `~` is in no name, so two nodes never share a subject.
+
 The TELEMETRY stream stores a GPU sample published on `<p>.telemetry.gpu.<node>` as
 `<p>.telemetry.gpu.<partition>.<node>` (a subject transform of the stream, so publishers
-keep the public subject): the partition, a hash of the node name, lets ingest replicas
+keep the public subject): the partition, a hash of the node's token, lets ingest replicas
 split the nodes between them with filtered consumers (docs/ingest.md).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# Labels of token characters joined by single dots: a DNS name, as Kubernetes names nodes.
+_DOTTED = re.compile(r"^[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)+$")
+# What stands for a dot in a node's subject token: allowed in a NATS subject token, and
+# in no token (so the token of a dotted name is never another node's name).
+NODE_DOT = "~"
 
 # Fixed for the life of a stream: it is part of every stored telemetry subject.
 TELEMETRY_PARTITIONS = 16
@@ -26,12 +38,42 @@ def is_token(value: str) -> bool:
     return _TOKEN.fullmatch(value) is not None
 
 
+def node_token(node: str) -> str:
+    """The node's name as its telemetry subject's token: the name itself when it is
+    one token, else (a DNS name) with each dot written `~`.
+
+    Raises ValueError for a name no token can stand for (a space, a wildcard, an empty
+    label, over 128 characters)."""
+    token = _node_token(node)
+    if token is None:
+        raise ValueError(
+            f"node name {node!r} cannot be used in a subject: use 1-128 characters from "
+            "letters, digits, '-', '_' and single dots between them"
+        )
+    return token
+
+
+def has_node_token(node: str) -> bool:
+    """Whether the node can have a telemetry subject (see node_token)."""
+    return _node_token(node) is not None
+
+
+# Asked for every sample at the edge; a cluster has a bounded set of node names.
+@functools.lru_cache(maxsize=65536)
+def _node_token(node: str) -> str | None:
+    if is_token(node):
+        return node
+    if len(node) <= 128 and _DOTTED.fullmatch(node) is not None:
+        return node.replace(".", NODE_DOT)
+    return None
+
+
 def untelemetered_note(node: str) -> str:
     """What an operator is told of a node whose name cannot be a telemetry subject."""
     return (
-        f"node {node} gets no GPU telemetry: its name is not one subject token (letters, "
-        "digits, '-' and '_'); its GPUs are placed, but their utilization is not sampled "
-        "(remove it and add it again under such a name)"
+        f"node {node} gets no GPU telemetry: its name cannot be a subject token (1-128 "
+        "letters, digits, '-', '_' and single dots between them); its GPUs are placed, but "
+        "their utilization is not sampled (remove it and add it again under such a name)"
     )
 
 
@@ -47,9 +89,11 @@ def check_token(value: str, what: str) -> str:
 
 def telemetry_partition(node: str) -> int:
     """The partition the stream's transform stores a node's samples under: nats-server's
-    `partition()` mapping, the FNV-1a (32-bit) hash of the node token modulo the count."""
+    `partition()` mapping, the FNV-1a (32-bit) hash of the node's token modulo the count.
+    (A node with no token has no samples; its name is hashed so that it has a partition.)"""
+    token = _node_token(node) or node
     h = 0x811C9DC5
-    for byte in node.encode():
+    for byte in token.encode():
         h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
     return h % TELEMETRY_PARTITIONS
 
@@ -87,7 +131,7 @@ class Subjects:
         return f"{self.prefix}.jobs.*.control"
 
     def telemetry_gpu(self, node: str) -> str:
-        return f"{self.prefix}.telemetry.gpu.{check_token(node, 'node name')}"
+        return f"{self.prefix}.telemetry.gpu.{node_token(node)}"
 
     def telemetry_inference(self, service: str) -> str:
         return f"{self.prefix}.telemetry.inference.{check_token(service, 'service name')}"
@@ -98,8 +142,8 @@ class Subjects:
 
     def stored_telemetry_gpu(self, node: str) -> str:
         """The subject the TELEMETRY stream stores a node's samples under."""
-        partition = telemetry_partition(check_token(node, "node name"))
-        return f"{self.prefix}.telemetry.gpu.{partition}.{node}"
+        token = node_token(node)
+        return f"{self.prefix}.telemetry.gpu.{telemetry_partition(node)}.{token}"
 
     def gpu_telemetry_partition(self, partition: int) -> str:
         """The stored subjects of one telemetry partition (what a replica filters on)."""

@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from gpusched.contracts.errors import MalformedMessage
-from gpusched.contracts.subjects import Subjects
+from gpusched.contracts.subjects import Subjects, has_node_token, node_token
 
 if TYPE_CHECKING:
     # messages.py builds its models from the types here: imported where used.
@@ -412,7 +412,10 @@ def check_subject(
         return
     field, value = expected
     said = getattr(payload, field, None)
-    if said is not None and said != value:
+    on_subject = said
+    if field == "node" and isinstance(said, str) and has_node_token(said):
+        on_subject = node_token(said)  # a dotted node name is written with `~` there
+    if said is not None and on_subject != value:
         raise MalformedMessage(
             f"{message_type}: {field} {said!r} does not match the subject's {value!r}"
         )

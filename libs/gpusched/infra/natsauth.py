@@ -41,7 +41,7 @@ import nkeys
 
 from gpusched.contracts import permissions
 from gpusched.contracts.permissions import INBOX_ROOT, inbox_prefix
-from gpusched.contracts.subjects import Subjects, check_token
+from gpusched.contracts.subjects import Subjects, check_token, node_token
 
 __all__ = [
     "INBOX_ROOT",
@@ -100,7 +100,8 @@ def job_user_name(prefix: str, job_id: str) -> str:
 
 
 def node_user_name(prefix: str, node: str) -> str:
-    return f"{prefix}.telemetry.gpu.{node}"
+    """The node's user: its name is the one subject it may publish on."""
+    return f"{prefix}.telemetry.gpu.{node_token(node)}"
 
 
 def _b64(data: bytes) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from gpusched.contracts.messages import GpuReading, GpuSample, InventoryNode, NodeChange
-from gpusched.contracts.subjects import is_token
+from gpusched.contracts.subjects import has_node_token
 from gpusched.domain.inventory import DEFAULT_GPU_MEMORY_MIB, GPU_MEMORY_MIB, GpuRef, Pool
 from gpusched.simcluster.load import serving_util, training_util
 
@@ -132,7 +132,7 @@ def gpu_samples(
         per_node.setdefault(ref.node, (model, set()))[1].add(ref.index)
     samples = []
     for node_name in sorted(per_node):
-        if not is_token(node_name):
+        if not has_node_token(node_name):
             # No telemetry subject can name it: the other nodes are sampled all the same.
             continue
         model, indices = per_node[node_name]

@@ -37,7 +37,7 @@ from gpusched.contracts.messages import (
     ReloadInventory,
     T,
 )
-from gpusched.contracts.subjects import is_token, untelemetered_note
+from gpusched.contracts.subjects import has_node_token, untelemetered_note
 from gpusched.contracts.validation import Invalid, first_error, parse_request
 from gpusched.domain import ledger as d
 from gpusched.domain.inventory import Inventory, InventoryError, NodeSpec, parse_inventory
@@ -343,7 +343,7 @@ class NodeOps:
             await store.insert_node(uow, spec, now)
             self._set_inventory(Inventory((*self._keeper.inventory.nodes, spec)))
             await self._announce(uow, NodeChange.ADDED, spec, NodeState.UP, reason)
-        notes = [untelemetered_note(spec.name) for spec in specs if not is_token(spec.name)]
+        notes = [untelemetered_note(spec.name) for spec in specs if not has_node_token(spec.name)]
         return NodeReply(ok=True, nodes=[_view(ledger, spec) for spec in specs], notes=notes)
 
     async def _announce(

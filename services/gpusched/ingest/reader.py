@@ -24,7 +24,7 @@ from msgspec import Meta, Struct
 
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.messages import GpuSample, T
-from gpusched.contracts.subjects import check_token
+from gpusched.contracts.subjects import node_token
 from gpusched.contracts.validation import (
     DEFAULT_MAX_CLOCK_SKEW_S,
     ID_MAX,
@@ -136,7 +136,7 @@ def _fast(raw: bytes, subject: str, clock: EdgeClock) -> SampleView | None:
         if not text.isascii():
             return None
         check_text(text, max_length=ID_MAX)
-    check_token(data.node, "node")
+    node_token(data.node)
     clock.check(_time(envelope.time))
     at = clock.check(_time(data.time))
     readings = []
