@@ -14,9 +14,13 @@ Figures (value, baseline, ratio):
 - inference SLO attainment (share of time), gpusched vs the static split;
 - training goodput (GPU-hours), queuing time (mean), gpusched vs the static split;
 - GPU-hours lost to preemption and SLO attainment, gpusched vs Kubernetes preemption;
-- for every other policy: its SLO, goodput, lost GPU-hours and evictions beside gpusched's.
+- for every other policy: its SLO, goodput, lost GPU-hours and evictions beside gpusched's;
+- the same experiment under other seeds (the workload's draws and the demand curve), with
+  the three policies the goals compare: each goal's figures per seed, so one seed's
+  verdicts can be told from the experiment's (docs/replay.md, "Across seeds").
 
-Knobs: BENCH_REPLAY_SEED (2023), BENCH_REPLAY_HTML (a path: also write the report).
+Knobs: BENCH_REPLAY_SEED (2023), BENCH_REPLAY_SEEDS (the other seeds, comma-separated;
+"2024,2025,2026,2027", empty for none), BENCH_REPLAY_HTML (a path: also write the report).
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from gpusched.replay.metrics import RunResult
 
 NAME = "replay"
 SEED = int(os.environ.get("BENCH_REPLAY_SEED", "2023"))
+SEEDS = tuple(
+    int(seed)
+    for seed in os.environ.get("BENCH_REPLAY_SEEDS", "2024,2025,2026,2027").split(",")
+    if seed.strip()
+)
+# What each other seed replays: the policies the goals compare.
+COMPARED = (report.PRIMARY, report.STATIC, report.KUBERNETES)
 HTML = os.environ.get("BENCH_REPLAY_HTML")
 
 
@@ -99,4 +110,58 @@ async def run(ctx: Context) -> list[Figure]:
     for goal, verdict in report.goals(comparison.results).items():
         ctx.progress(f"replay: goal {goal}: {'met' if verdict.get('met') else 'NOT met'}")
     ctx.progress("replay: comparison\n" + report.markdown_table(comparison.results))
+    rows = [_seed_row(SEED, comparison.results)]
+    for done, seed in enumerate(SEEDS, 1):
+        ctx.progress(f"replay: seed {seed} ({done} of {len(SEEDS)}), {', '.join(COMPARED)}")
+        other = experiment.run(
+            experiment.prepare(
+                experiment.Experiment(traces_dir=Settings().traces_dir, seed=seed, only=COMPARED)
+            )
+        )
+        figures.extend(_seed_figures(seed, other.results))
+        rows.append(_seed_row(seed, other.results))
+    if SEEDS:
+        ctx.progress("replay: the goals across seeds\n" + "\n".join(_SEED_HEADER + rows))
     return figures
+
+
+_SEED_HEADER = [
+    "| seed | SLO (time) vs static | goodput vs static | queuing vs static "
+    "| lost GPU-h vs Kubernetes | SLO (time) vs Kubernetes | goals met |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def _seed_figures(seed: int, results: list[RunResult]) -> list[Figure]:
+    runs = {r.policy: r for r in results}
+    ours, static, k8s = runs[report.PRIMARY], runs[report.STATIC], runs[report.KUBERNETES]
+    return [
+        Figure(NAME, f"seed_{seed}_{metric}", _get(ours, *path), unit, _get(base, *path))
+        for metric, path, unit, base in (
+            ("slo_time_share_vs_static", ("inference", "slo_time_share"), "share", static),
+            ("goodput_gpu_h_vs_static", ("training", "goodput_gpu_h"), "GPU-h", static),
+            ("queuing_mean_h_vs_static", ("training", "queuing", "mean_h"), "h", static),
+            ("lost_gpu_h_vs_kubernetes", ("training", "lost_gpu_h"), "GPU-h", k8s),
+            ("slo_time_share_vs_kubernetes", ("inference", "slo_time_share"), "share", k8s),
+        )
+    ]
+
+
+def _seed_row(seed: int, results: list[RunResult]) -> str:
+    goals = report.goals(results)
+
+    def of(goal: str, key: str) -> float:
+        value = goals[goal][key]
+        assert isinstance(value, int | float), (goal, key, value)
+        return float(value)
+
+    met = [name for name, verdict in goals.items() if verdict.get("met")]
+    return (
+        f"| {seed} | {of('slo', 'value'):.3%} vs {of('slo', 'baseline'):.3%} "
+        f"| {of('goodput', 'ratio'):.2f}x "
+        f"| {of('queuing', 'value'):.2f} h vs {of('queuing', 'baseline'):.2f} h "
+        f"| {of('lost_work', 'value'):.2f} vs {of('lost_work', 'baseline'):.2f} "
+        f"({of('lost_work', 'lower_share'):.1%} lower) "
+        f"| {of('lost_work', 'slo'):.3%} vs {of('lost_work', 'baseline_slo'):.3%} "
+        f"| {', '.join(met) or 'none'} |"
+    )
