@@ -9,10 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import unquote, urlparse
 
 from gpusched.contracts.messages import CheckpointKind
-from gpusched.sdk.storage import fsync_dir
+from gpusched.sdk.storage import fsync_dir, local_path
 
 _CHUNK = 1 << 20
 
@@ -79,8 +78,7 @@ def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
 
 
 def checkpoint_path(uri: str) -> Path:
-    """The local path of a file:// checkpoint URI (what GPUSCHED_RESUME_URI holds)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        raise ValueError(f"not a file:// checkpoint URI: {uri!r}")
-    return Path(unquote(parsed.path))
+    """The local path of a file:// checkpoint URI (what GPUSCHED_RESUME_URI holds).
+
+    ValueError for another scheme, another host, a relative path."""
+    return Path(local_path(uri))

@@ -23,6 +23,39 @@ _CHUNK: Final = 1 << 20
 FILE_SCHEME: Final = "file"
 
 
+def local_path(uri: str) -> str:
+    """The path of a file URI on this host: `file:///p` or `file://localhost/p`.
+
+    ValueError for another host (`file://node-7/p` would be read here as `/p`, a
+    different file) or a relative path (read from wherever each reader runs)."""
+    parts = urlsplit(uri)
+    if parts.scheme.lower() != FILE_SCHEME:
+        raise ValueError(f"not a file:// URI: {uri!r}")
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"{uri!r} names the host {parts.netloc!r}: a file URI here must name this "
+            "host's path (file:///path; shared storage is mounted, or s3://, gs://, az://)"
+        )
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise ValueError(f"{uri!r} names no absolute path (file:///path/to/checkpoint)")
+    return path
+
+
+def _refuse_a_mistyped_uri(text: str) -> None:
+    """A path that begins with a store's scheme and one slash (`s3:/bucket/job`) is a
+    mistyped URI, not a local directory named `s3:`."""
+    head, colon, _ = text.partition(":")
+    if not colon or "/" in head:
+        return
+    from fsspec.registry import known_implementations
+
+    if head.lower() in known_implementations:
+        raise CheckpointError(
+            f"{text!r} is no URI: write {head}://... (for a local directory of that name: ./{text})"
+        )
+
+
 @dataclass(frozen=True)
 class Location:
     """A directory or object on some filesystem: the fsspec filesystem, the path on it,
@@ -34,12 +67,20 @@ class Location:
 
     @classmethod
     def of(cls, where: str | os.PathLike[str]) -> Location:
+        """The location a URI or local path names. CheckpointError for a file URI that
+        names another host or no absolute path, and for a store's scheme written
+        without `//` (`s3:/bucket`: it would be a local directory named `s3:`)."""
         text = os.fspath(where)
         scheme = urlsplit(text).scheme.lower() if "://" in text or text.startswith("file:") else ""
+        if not scheme:
+            _refuse_a_mistyped_uri(text)
         if scheme in ("", FILE_SCHEME):
             from fsspec.implementations.local import LocalFileSystem
 
-            path = Path(unquote(urlsplit(text).path) if scheme else text).resolve()
+            try:
+                path = Path(local_path(text) if scheme else text).resolve()
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
             return cls(LocalFileSystem(), str(path), path.as_uri())
         try:
             from fsspec.core import url_to_fs
