@@ -298,3 +298,26 @@ def test_a_readiness_wait_that_is_no_usable_number_of_seconds_starts_nothing(
     assert "Invalid value for '--ready-timeout'" in done.stderr
     assert "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []  # no server was started, no stack file written
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["replay", "--compression", "nan"], "'--compression': nan is not a finite number"),
+        (["replay", "--load", "inf"], "'--load': inf is not a finite number"),
+        (["replay", "--load", "-0.5"], "'--load': -0.5 is below the least allowed, 0.01"),
+        (["replay", "--node-share", "2"], "'--node-share': 2 is above the most allowed, 1"),
+        (["replay", "--compression", "fast"], "'--compression': 'fast' is not a number"),
+        (["auth", "issue", "--team", "x", "--ttl", "inf"], "'--ttl': inf is not a finite number"),
+        (["up", "--ready-timeout", "NaN"], "'--ready-timeout': NaN is not a finite number"),
+    ],
+)
+def test_a_number_option_says_what_is_wrong_with_nan_infinity_and_out_of_range(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    # Typer's own bounds check once told `nan` it "should be less than or equal to 1000000".
+    done = _cli(*args, env={"GPUSCHED_DATA_DIR": str(tmp_path)})
+
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr

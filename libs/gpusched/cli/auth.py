@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpusched.cli.errors import BadInput, NotConfigured
+from gpusched.cli.numbers import number
 
 if TYPE_CHECKING:
     from gpusched.infra.natsauth import AuthBundle
@@ -96,7 +97,8 @@ def issue(
     dir: Annotated[Path | None, typer.Option(help="the bundle (default: the stack's)")] = None,
     prefix: Annotated[str | None, typer.Option(help="the subject prefix (nodes only)")] = None,
     ttl: Annotated[
-        float | None, typer.Option(help="seconds until the credentials expire", min=1)
+        float | None,
+        typer.Option(parser=number(1), help="seconds until the credentials expire (>= 1)"),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help="write here (mode 0600) instead of stdout")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpusched.cli.errors import BadInput
+from gpusched.cli.numbers import number
 from gpusched.cli.output import Format
 
 if TYPE_CHECKING:
@@ -41,14 +42,20 @@ def replay(
         Path | None, typer.Option(help="your own inventory (YAML) instead of openb's nodes")
     ] = None,
     compression: Annotated[
-        float, typer.Option(min=0.001, max=1e6, help="arrivals this many times sooner")
+        float,
+        typer.Option(parser=number(0.001, 1e6), help="arrivals this many times sooner (0.001-1e6)"),
     ] = 5.0,
     load: Annotated[
-        float, typer.Option(min=0.01, max=2.0, help="training demand over the static partition")
+        float,
+        typer.Option(
+            parser=number(0.01, 2.0), help="training demand over the static partition (0.01-2)"
+        ),
     ] = 0.9,
     node_share: Annotated[
         float | None,
-        typer.Option(min=1e-4, max=1.0, help="share of openb nodes (default: by load)"),
+        typer.Option(
+            parser=number(1e-4, 1.0), help="share of openb nodes, 0.0001-1 (default: by load)"
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(min=0, max=2**31, help="seed of every draw")] = 2023,
     policy: Annotated[

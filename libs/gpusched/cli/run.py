@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpusched.cli.errors import EXIT_USAGE
+from gpusched.cli.numbers import number
 from gpusched.contracts.permissions import SERVICE_NAMES
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def up(
         Path | None, typer.Option(help="write each service's output to LOG_DIR/<service>.log")
     ] = None,
     ready_timeout: Annotated[
-        float, typer.Option(help="seconds to wait for readiness", min=1, max=86400)
+        float,
+        typer.Option(parser=number(1, 86400), help="seconds to wait for readiness (1-86400)"),
     ] = 180.0,
 ) -> int:
     import asyncio
