@@ -496,6 +496,19 @@ def test_compose_services_start_after_migrate_which_waits_for_healthy_servers() 
         assert services[server]["volumes"]
 
 
+def test_compose_checkpoint_reads_the_job_dirs_the_agent_writes_at_the_same_path() -> None:
+    # A file:// claim names the path the job saved to, under the agent's workdir; a
+    # checkpoint container that cannot read it judges every claim false, and no eviction
+    # is ever confirmed.
+    services = compose()["services"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    workdir = re.search(r"GPUSCHED_AGENT__WORKDIR=(\S+)", dockerfile)
+    assert workdir is not None
+    agent_volume, agent_path = services["agent"]["volumes"][0].split(":")[:2]
+    assert workdir.group(1).startswith(agent_path + "/")
+    assert f"{agent_volume}:{agent_path}:ro" in services["checkpoint"]["volumes"]
+
+
 def test_compose_every_long_running_container_has_a_healthcheck() -> None:
     services = compose()["services"]
     for name, service in services.items():
@@ -1162,3 +1175,38 @@ def test_kustomize_renders_the_install_with_the_kubernetes_agent(tmp_path: Path)
         d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "gpusched-env"
     ]
     assert env["data"]["GPUSCHED_ADMISSION__INVENTORY_SOURCE"] == "agent"
+
+
+def test_kustomize_shares_the_simulated_agents_workdir_with_the_checkpoint_pods_read_only(
+    tmp_path: Path,
+) -> None:
+    # The checkpoint service verifies a file:// claim at the path the job names, under
+    # the agent's workdir: its pods must see the agent's job dirs there.
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, tmp_path)],
+        "components": [os.path.relpath(K8S / "shared-agent-workdir", tmp_path)],
+    }))  # fmt: skip
+    result = run_tool(
+        "kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    deployments = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "Deployment"}
+    [claim] = [d for d in rendered if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    workdir = re.search(r"GPUSCHED_AGENT__WORKDIR=(\S+)", (ROOT / "Dockerfile").read_text())
+    assert workdir is not None
+    for name, read_only in (("gpusched-agent", False), ("gpusched-checkpoint", True)):
+        pod = deployments[name]["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["agent-workdir"]["mountPath"] == workdir.group(1)
+        assert mounts["agent-workdir"].get("readOnly", False) is read_only
+        assert "data" in mounts  # the rest of the pod is as before
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert (
+            volumes["agent-workdir"]["persistentVolumeClaim"]["claimName"]
+            == (claim["metadata"]["name"])
+        )

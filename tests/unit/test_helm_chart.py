@@ -81,6 +81,15 @@ def test_the_default_values_satisfy_the_chart_schema() -> None:
         # An immutable image, metrics for the Prometheus Operator, the team API account.
         {"image.digest": "sha256:" + "ab" * 32, "metrics.podMonitor.enabled": True},
         {"auth.clientsAccount": "A" + "B" * 55, "extraEnv": {"GPUSCHED_LOG_LEVEL": "DEBUG"}},
+        # The jobs' checkpoint storage, read by the checkpoint service to verify claims.
+        {
+            "services.checkpoint.extraVolumes": [
+                {"name": "checkpoints", "nfs": {"server": "nfs", "path": "/ckpt"}}
+            ],
+            "services.checkpoint.extraVolumeMounts": [
+                {"name": "checkpoints", "mountPath": "/ckpt", "readOnly": True}
+            ],
+        },
     ],
 )
 def test_the_documented_overrides_are_accepted(changes: dict[str, Any]) -> None:
@@ -100,6 +109,7 @@ def test_the_documented_overrides_are_accepted(changes: dict[str, Any]) -> None:
         ({"extraEnv": {"PATH": "/tmp"}}, "extraEnv"),
         ({"database.urlSecret": ""}, "urlSecret"),
         ({"services.admision": {"replicas": 1}}, "services"),  # a typo is not ignored
+        ({"services.checkpoint.extraVolumeMounts": [{"name": "x"}]}, "extraVolumeMounts"),
     ],
 )
 def test_values_the_chart_cannot_run_with_are_refused_naming_the_field(
@@ -195,3 +205,37 @@ def test_helm_renders_a_deployment_with_probes_for_every_service() -> None:
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert any(d["kind"] == "PodMonitor" for d in objects)
+
+
+def test_helm_mounts_the_checkpoint_storage_given_in_the_checkpoint_pods_only(
+    tmp_path: Path,
+) -> None:
+    overrides = tmp_path / "values.yaml"
+    overrides.write_text(
+        yaml.safe_dump(
+            {
+                "services": {
+                    "checkpoint": {
+                        "extraVolumes": [{"name": "ckpt", "nfs": {"server": "n", "path": "/x"}}],
+                        "extraVolumeMounts": [
+                            {"name": "ckpt", "mountPath": "/ckpt", "readOnly": True}
+                        ],
+                    }
+                }
+            }
+        )
+    )
+    done = helm("template", "gs", str(CHART), "-f", str(overrides))
+    assert done.returncode == 0, done.stderr
+    objects = [d for d in yaml.safe_load_all(done.stdout) if d]
+    for d in objects:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        volumes = {v["name"] for v in pod["volumes"]}
+        if d["metadata"]["name"] == "gs-checkpoint":
+            assert mounts["ckpt"] == {"name": "ckpt", "mountPath": "/ckpt", "readOnly": True}
+            assert "ckpt" in volumes and "data" in volumes
+        else:
+            assert "ckpt" not in mounts and "ckpt" not in volumes
