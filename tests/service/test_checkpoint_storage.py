@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gpusched.checkpoint.storage import Budget, FsspecStorage
 from gpusched.checkpoint.verification import ClaimCheck
+from gpusched.contracts.manifest import ManifestFile
 from gpusched.contracts.messages import CheckpointKind
 from gpusched.domain.saga import CheckpointRef, Stage
 from gpusched.sdk import SavedCheckpoint, write_manifest
@@ -50,6 +53,63 @@ async def test_a_listed_file_that_is_a_link_elsewhere_is_never_read(tmp_path: Pa
     verdict = await FsspecStorage().verify(claim(saved), CheckpointKind.MANIFEST)
     assert verdict is not None and verdict.check is ClaimCheck.FALSE
     assert "symbolic link" in verdict.why
+
+
+def file_claim(path: Path, uri: str | None = None) -> CheckpointRef:
+    """A true claim of one file, named by `uri` (default: the file's own)."""
+    from gpusched.sdk.checkpoints import file_digest
+
+    size, digest = file_digest(path)
+    return CheckpointRef("c-1", 1, uri or path.as_uri(), size, digest, Stage.PERSISTED)
+
+
+async def test_claims_outside_the_file_roots_are_refused_unread(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "jobs", tmp_path / "elsewhere"
+    inside = shards(root / "job-1" / "c")
+    outside = shards(elsewhere / "c")
+    secret = elsewhere / "secret.key"
+    secret.write_bytes(b"s" * 100)
+    (root / "job-2").symlink_to(elsewhere, target_is_directory=True)
+    storage = FsspecStorage(file_roots=[root])
+
+    verdict = await storage.verify(claim(inside), CheckpointKind.MANIFEST)
+    assert verdict is not None and verdict.check is ClaimCheck.VERIFIED
+    for refused, kind in (
+        (claim(outside), CheckpointKind.MANIFEST),
+        (file_claim(secret), CheckpointKind.FILE),
+        # Under the root by its text only: `..` climbs out, or a directory link leads out.
+        (file_claim(secret, f"{(root / 'job-1').as_uri()}/../../elsewhere/secret.key"),
+         CheckpointKind.FILE),
+        (file_claim(secret, f"{(root / 'job-2').as_uri()}/secret.key"), CheckpointKind.FILE),
+        # A wrong size would be told apart from a missing file: refused before a stat.
+        (replace(file_claim(secret), bytes=99), CheckpointKind.FILE),
+    ):  # fmt: skip
+        verdict = await storage.verify(refused, kind)
+        assert verdict is not None and verdict.check is ClaimCheck.FALSE, refused.uri
+        assert "outside the checkpoint directories" in verdict.why, verdict.why
+        assert "100 bytes" not in verdict.why  # nothing of the file is told
+    # Without roots, the service reads any file it can (the setting's default).
+    verdict = await FsspecStorage().verify(claim(outside), CheckpointKind.MANIFEST)
+    assert verdict is not None and verdict.check is ClaimCheck.VERIFIED
+
+
+async def test_a_manifest_listing_a_file_under_a_directory_link_out_of_the_roots_is_false(
+    tmp_path: Path,
+) -> None:
+    root, elsewhere = tmp_path / "jobs", tmp_path / "elsewhere"
+    directory = root / "job-1" / "c"
+    directory.mkdir(parents=True)
+    (elsewhere / "shards").mkdir(parents=True)
+    (elsewhere / "shards" / "__0_0.distcp").write_bytes(b"a" * 100)
+    (directory / "shards").symlink_to(elsewhere / "shards", target_is_directory=True)
+    listed = ManifestFile(path="shards/__0_0.distcp", bytes=100,
+                          sha256=hashlib.sha256(b"a" * 100).hexdigest())  # fmt: skip
+    saved = write_manifest(Location.of(directory), checkpoint_id="c-1", step=1, files=[listed])
+
+    verdict = await FsspecStorage(file_roots=[root]).verify(claim(saved), CheckpointKind.MANIFEST)
+
+    assert verdict is not None and verdict.check is ClaimCheck.FALSE
+    assert "outside the checkpoint directories" in verdict.why, verdict.why
 
 
 async def test_a_scheme_it_is_not_told_to_read_is_left_to_the_trust_policy(

@@ -507,6 +507,9 @@ def test_compose_checkpoint_reads_the_job_dirs_the_agent_writes_at_the_same_path
     agent_volume, agent_path = services["agent"]["volumes"][0].split(":")[:2]
     assert workdir.group(1).startswith(agent_path + "/")
     assert f"{agent_volume}:{agent_path}:ro" in services["checkpoint"]["volumes"]
+    # ... and reads claims there only.
+    roots = json.loads(services["checkpoint"]["environment"]["GPUSCHED_CHECKPOINT__FILE_ROOTS"])
+    assert roots == [workdir.group(1)]
 
 
 def test_compose_every_long_running_container_has_a_healthcheck() -> None:
@@ -1206,7 +1209,9 @@ def test_kustomize_shares_the_simulated_agents_workdir_with_the_checkpoint_pods_
         assert mounts["agent-workdir"].get("readOnly", False) is read_only
         assert "data" in mounts  # the rest of the pod is as before
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert (
-            volumes["agent-workdir"]["persistentVolumeClaim"]["claimName"]
-            == (claim["metadata"]["name"])
-        )
+        claimed = volumes["agent-workdir"]["persistentVolumeClaim"]["claimName"]
+        assert claimed == claim["metadata"]["name"]
+        if read_only:  # the checkpoint pods read file:// claims in the workdir only
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert json.loads(env["GPUSCHED_CHECKPOINT__FILE_ROOTS"]) == [workdir.group(1)]
+            assert "GPUSCHED_NATS_CREDENTIALS" in env  # the container's own env is kept

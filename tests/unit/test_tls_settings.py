@@ -173,6 +173,7 @@ def test_a_job_with_an_unusable_tls_variable_is_told_which(
         ("GPUSCHED_INGEST__REPLICA", "5", "replica 5 of 2: number the replicas 0..1"),
         ("GPUSCHED_INGEST__FLUSH_INTERVAL_S", "inf", "Input should be a finite number"),
         ("GPUSCHED_BUS__MAX_CLOCK_SKEW_S", "NaN", "Input should be a finite number"),
+        ("GPUSCHED_CHECKPOINT__FILE_ROOTS", '["ckpt"]', "'ckpt' is no absolute path"),
     ],
 )
 def test_a_service_refuses_a_bad_setting_in_one_line_naming_the_variable(

@@ -678,8 +678,13 @@ class Stack:
             "GPUSCHED_DATABASE_URL": self.settings.database_url,
             "GPUSCHED_SUBJECT_PREFIX": self.settings.subject_prefix,
             "GPUSCHED_DATA_DIR": str(self.data_dir),
-            # The simulated cluster's checkpoints live with the rest of this stack's data.
+            # The simulated cluster's checkpoints live with the rest of this stack's data,
+            # and file:// claims are read there only.
             "GPUSCHED_AGENT__WORKDIR": str(self.data_dir / "agent"),
+            "GPUSCHED_CHECKPOINT__FILE_ROOTS": json.dumps(
+                [str(root) for root in self.settings.checkpoint.file_roots]
+                or [str((self.data_dir / "agent").resolve())]
+            ),
             **self.env,
         }
         if self.settings.trace_file is not None:

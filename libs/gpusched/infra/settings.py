@@ -232,6 +232,19 @@ class CheckpointSettings(Section):
     retention_per_job: int = Field(
         default=5, ge=1, description="confirmed checkpoints kept per job in the catalogue"
     )
+    # The directories file:// claims must lie in (their directories' links resolved): a
+    # claim elsewhere is refused unread, so a job cannot make the service read (and say
+    # the size of) any other file it can see. Empty: anywhere readable here. `gpusched up`
+    # sets the agent's workdir; compose and deploy/k8s/shared-agent-workdir set it too.
+    file_roots: list[Path] = Field(default_factory=list)
+
+    @field_validator("file_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[Path]) -> list[Path]:
+        for root in roots:
+            if not root.is_absolute():
+                raise ValueError(f"{str(root)!r} is no absolute path")
+        return roots
 
 
 class BillingSettings(Section):

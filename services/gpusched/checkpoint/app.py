@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from gpusched.checkpoint.api import (
@@ -15,12 +16,15 @@ from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.queries import Queries
 from gpusched.checkpoint.storage import Budget, FsspecStorage, NoStorage
+from gpusched.checkpoint.verification import FILE_SCHEME
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import access, bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service
 from gpusched.infra.settings import Settings
+
+log = logging.getLogger(__name__)
 
 NAME = "checkpoint"
 SCHEMA = "checkpoint"
@@ -67,8 +71,14 @@ async def build(rt: ServiceRuntime) -> None:
             # `verify_parallelism` files: a claim waits for another's thread only when
             # threads are stuck in I/O that does not return.
             threads=settings.verify_parallelism * rt.settings.bus.consumer_concurrency,
+            file_roots=settings.file_roots,
         )
         rt.on_close(_closing(storage))
+        if FILE_SCHEME in settings.verify_schemes and not settings.file_roots:
+            log.warning(
+                "file:// checkpoint claims are read wherever they point: set "
+                "GPUSCHED_CHECKPOINT__FILE_ROOTS to the jobs' checkpoint directories"
+            )
     handlers = SagaHandlers(
         EvictionPolicies.from_settings(settings),
         storage=storage,

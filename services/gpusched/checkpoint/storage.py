@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -121,8 +122,11 @@ class FsspecStorage:
         parallelism: int = DEFAULT_PARALLELISM,
         threads: int | None = None,
         grace_s: float = DEFAULT_GRACE_S,
+        file_roots: Iterable[str | os.PathLike[str]] = (),
     ) -> None:
         self._schemes = frozenset(s.lower() for s in schemes)
+        # Where file:// claims may lie (links resolved); empty: anywhere readable here.
+        self._roots = tuple(os.path.realpath(root) for root in file_roots)
         for scheme in self._schemes:
             require_backend(scheme)
         self._budget = budget or Budget()
@@ -145,7 +149,8 @@ class FsspecStorage:
         budget = self._budget.for_bytes(claim.bytes)
         deadline = started + budget
         found = await self._on_thread(
-            lambda stop: _inspect_uri(claim.uri, claim.bytes, deadline, stop), deadline
+            lambda stop: _inspect_uri(claim.uri, claim.bytes, deadline, stop, self._roots),
+            deadline,
         )
         if found is None or isinstance(found, _Unfinished):
             why = _Unfinished.NOT_IN_TIME if found is None else found
@@ -157,7 +162,7 @@ class FsspecStorage:
         # the manifest lists; the manifest itself (not yet read) to that of its own size.
         budget = self._budget.for_bytes(claim.bytes)
         read = await self._on_thread(
-            lambda _: _read_manifest(claim.uri, claim.bytes), started + budget
+            lambda _: _read_manifest(claim.uri, claim.bytes, self._roots), started + budget
         )
         if isinstance(read, _Unfinished):
             return Verdict(
@@ -179,7 +184,8 @@ class FsspecStorage:
                     return _Unfinished.NOT_IN_TIME
                 path = f"{base}/{entry.path}"
                 found = await self._on_thread(
-                    lambda stop: _inspect(fs, path, entry.bytes, deadline, stop), deadline
+                    lambda stop: _inspect(fs, path, entry.bytes, deadline, stop, self._roots),
+                    deadline,
                 )
                 return _Unfinished.NOT_IN_TIME if found is None else found
 
@@ -301,24 +307,30 @@ def _locate(uri: str) -> tuple[Any, str]:
 
 
 def _inspect_uri(
-    uri: str, expected_bytes: int, deadline: float, stop: threading.Event
+    uri: str,
+    expected_bytes: int,
+    deadline: float,
+    stop: threading.Event,
+    roots: tuple[str, ...] = (),
 ) -> ObjectFacts | None:
     """`_inspect` of the object a URI names."""
     try:
         fs, path = _locate(uri)
     except Exception as exc:
         return _failure(exc)
-    return _inspect(fs, path, expected_bytes, deadline, stop)
+    return _inspect(fs, path, expected_bytes, deadline, stop, roots)
 
 
-def _read_manifest(uri: str, expected_bytes: int) -> tuple[ManifestFacts, tuple[Any, str] | None]:
+def _read_manifest(
+    uri: str, expected_bytes: int, roots: tuple[str, ...] = ()
+) -> tuple[ManifestFacts, tuple[Any, str] | None]:
     """A manifest claim's manifest: its facts, what it lists, and the filesystem and
     directory its files are in (None when it lists nothing to check)."""
     try:
         fs, path = _locate(uri)
     except Exception as exc:
         return ManifestFacts(manifest=_failure(exc)), None
-    raw, facts = _read_small(fs, path, expected_bytes)
+    raw, facts = _read_small(fs, path, expected_bytes, roots)
     if raw is None:
         return ManifestFacts(manifest=facts), None
     try:
@@ -328,17 +340,19 @@ def _read_manifest(uri: str, expected_bytes: int) -> tuple[ManifestFacts, tuple[
     return ManifestFacts(manifest=facts, listed=listed), (fs, path.rsplit("/", 1)[0])
 
 
-def _read_small(fs: Any, path: str, expected_bytes: int) -> tuple[bytes | None, ObjectFacts]:
+def _read_small(
+    fs: Any, path: str, expected_bytes: int, roots: tuple[str, ...] = ()
+) -> tuple[bytes | None, ObjectFacts]:
     """A manifest's bytes and facts; no bytes when it is missing or its size is not the
     claimed one (or too large to be a manifest)."""
     try:
-        size = _size(fs, path)
+        size = _size(fs, path, roots)
         if size is None:
             return None, ObjectFacts(exists=False)
         if size != expected_bytes or size > MAX_MANIFEST_BYTES:
             return None, ObjectFacts(exists=True, bytes=size)
         # One byte more than the size stated: a file that grew since is not read on.
-        with _open(fs, path) as f:
+        with _open(fs, path, roots) as f:
             raw = f.read(size + 1)
     except FileNotFoundError:
         return None, ObjectFacts(exists=False)
@@ -352,11 +366,16 @@ def _read_small(fs: Any, path: str, expected_bytes: int) -> tuple[bytes | None, 
 
 
 def _inspect(
-    fs: Any, path: str, expected_bytes: int, deadline: float, stop: threading.Event
+    fs: Any,
+    path: str,
+    expected_bytes: int,
+    deadline: float,
+    stop: threading.Event,
+    roots: tuple[str, ...] = (),
 ) -> ObjectFacts | None:
     """What one object holds; None if the deadline passed (or `stop` was set) first."""
     try:
-        size = _size(fs, path)
+        size = _size(fs, path, roots)
         if size is None:
             return ObjectFacts(exists=False)
         if size != expected_bytes:
@@ -366,7 +385,7 @@ def _inspect(
             return ObjectFacts(exists=True, bytes=size, sha256=stored)
         digest = hashlib.sha256()
         read = 0
-        with _open(fs, path) as f:
+        with _open(fs, path, roots) as f:
             # Never past one byte more than the size stated: a file that grows while it
             # is read (or one that reports a size it does not hold) ends the reading.
             while chunk := f.read(min(_CHUNK, size + 1 - read)):
@@ -383,8 +402,10 @@ def _inspect(
         return _failure(exc)
 
 
-def _size(fs: Any, path: str) -> int | None:
-    """The size of a plain object or file; None if there is none (a directory is none)."""
+def _size(fs: Any, path: str, roots: tuple[str, ...] = ()) -> int | None:
+    """The size of a plain object or file; None if there is none (a directory is none).
+    A local file outside `roots` (when given) is refused before anything is asked of it."""
+    _confine(fs, path, roots)
     try:
         info = fs.info(path)
     except FileNotFoundError:
@@ -408,10 +429,30 @@ class _NotPlain(Exception):
     """What a claim names is no plain file: refused without being read."""
 
 
-def _open(fs: Any, path: str) -> BinaryIO:
+def _confine(fs: Any, path: str, roots: tuple[str, ...]) -> None:
+    """Refuse a local path outside `roots` (its directories' links resolved; its last
+    component is never followed). Not a local filesystem, or no roots: nothing to do."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if roots and isinstance(fs, LocalFileSystem):
+        directory, name = os.path.split(path)
+        _check_inside(path, os.path.join(os.path.realpath(directory), name), roots)
+
+
+def _check_inside(path: str, real: str, roots: tuple[str, ...]) -> None:
+    if not any(real.startswith(root.rstrip("/") + "/") for root in roots):
+        raise _NotPlain(
+            f"{path} is outside the checkpoint directories (checkpoint.file_roots: "
+            f"{', '.join(roots)}; not read)"
+        )
+
+
+def _open(fs: Any, path: str, roots: tuple[str, ...] = ()) -> BinaryIO:
     """`path` open for reading. A local file is opened without following a link and
     without blocking, and must be a regular file once open: it may have been swapped
-    for a link or a FIFO (whose open would wait for a writer) since `_size` looked."""
+    for a link or a FIFO (whose open would wait for a writer) since `_size` looked; and
+    what was opened must lie in `roots` (a directory of its path may have been swapped
+    for a link since)."""
     from fsspec.implementations.local import LocalFileSystem
 
     if not isinstance(fs, LocalFileSystem):
@@ -422,6 +463,10 @@ def _open(fs: Any, path: str) -> BinaryIO:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _NotPlain(f"{path} is not a regular file (not read)")
+        if roots:
+            opened_as = Path(f"/proc/self/fd/{fd}")
+            if opened_as.is_symlink():  # Linux: the path the kernel resolved
+                _check_inside(path, os.readlink(opened_as), roots)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
