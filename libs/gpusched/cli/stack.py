@@ -678,18 +678,24 @@ class Stack:
             "GPUSCHED_DATABASE_URL": self.settings.database_url,
             "GPUSCHED_SUBJECT_PREFIX": self.settings.subject_prefix,
             "GPUSCHED_DATA_DIR": str(self.data_dir),
-            # The simulated cluster's checkpoints live with the rest of this stack's data,
-            # and file:// claims are read there only.
+            # The simulated cluster's checkpoints live with the rest of this stack's data.
             "GPUSCHED_AGENT__WORKDIR": str(self.data_dir / "agent"),
-            "GPUSCHED_CHECKPOINT__FILE_ROOTS": json.dumps(
-                [str(root) for root in self.settings.checkpoint.file_roots]
-                or [str((self.data_dir / "agent").resolve())]
-            ),
+            **self._file_roots(),
             **self.env,
         }
         if self.settings.trace_file is not None:
             env["GPUSCHED_TRACE_FILE"] = str(self.settings.trace_file.resolve())
         return env
+
+    def _file_roots(self) -> dict[str, str]:
+        """Where the checkpoint service reads file:// claims: the settings' roots, else,
+        with the simulated cluster (whose jobs save in the agent's workdir), that
+        workdir. A Kubernetes agent's pods save on storage of their own: unset."""
+        roots = [str(root) for root in self.settings.checkpoint.file_roots]
+        cluster = self.env.get("GPUSCHED_AGENT__CLUSTER", self.settings.agent.cluster)
+        if not roots and cluster == "sim":
+            roots = [str((self.data_dir / "agent").resolve())]
+        return {"GPUSCHED_CHECKPOINT__FILE_ROOTS": json.dumps(roots)} if roots else {}
 
     def stop(self) -> None:
         """Services first, then the servers they use; idempotent."""

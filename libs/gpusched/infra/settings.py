@@ -235,7 +235,7 @@ class CheckpointSettings(Section):
     # The directories file:// claims must lie in (their directories' links resolved): a
     # claim elsewhere is refused unread, so a job cannot make the service read (and say
     # the size of) any other file it can see. Empty: anywhere readable here. `gpusched up`
-    # sets the agent's workdir; compose and deploy/k8s/shared-agent-workdir set it too.
+    # sets the simulated cluster's agent workdir; compose and deploy/k8s/shared-agent-workdir too.
     file_roots: list[Path] = Field(default_factory=list)
 
     @field_validator("file_roots")
