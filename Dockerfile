@@ -27,7 +27,11 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY libs ./libs
 COPY services ./services
-RUN pip install --no-cache-dir .
+# Extras of the package: `kubernetes` runs the Kubernetes agent (deploy/k8s/agent-
+# kubernetes); `docker build --build-arg EXTRAS=[kubernetes,s3] .` also lets the
+# checkpoint service verify s3:// claims (docs/kubernetes.md, "Checkpoint storage").
+ARG EXTRAS="[kubernetes]"
+RUN pip install --no-cache-dir ".${EXTRAS}"
 
 # Relative paths in the settings (deploy/inventory/demo.yaml, deploy/prices.yaml)
 # resolve against WORKDIR; Kubernetes mounts its ConfigMap over these files.

@@ -321,3 +321,25 @@ def test_a_number_option_says_what_is_wrong_with_nan_infinity_and_out_of_range(
     assert done.returncode == 2
     assert says in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_kubernetes_agent_without_its_extra_is_one_line_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from gpusched.cli.main import main
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "kubernetes_asyncio" else found(name, *a),
+    )
+    monkeypatch.setenv("GPUSCHED_NATS_URL", "nats://127.0.0.1:1")
+    monkeypatch.setenv("GPUSCHED_DATABASE_URL", "postgresql+asyncpg://x@127.0.0.1:1/x")
+    monkeypatch.setenv("GPUSCHED_AGENT__CLUSTER", "kubernetes")
+
+    assert main(["service", "agent"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "needs the extra `kubernetes`: pip install 'gpusched[kubernetes]'" in line

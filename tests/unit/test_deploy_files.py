@@ -407,7 +407,10 @@ def test_image_is_slim_python_run_as_a_non_root_user_with_gpusched_as_entry_poin
 def test_image_copies_the_wheel_inputs_before_installing_and_the_deploy_files_after() -> None:
     steps = dockerfile_instructions()
     install = next(i for i, (op, a) in enumerate(steps) if op == "RUN" and "pip install" in a)
-    assert "--no-cache-dir ." in steps[install][1]
+    assert '--no-cache-dir ".${EXTRAS}"' in steps[install][1]
+    # The extras are a build argument; the Kubernetes agent's by default (the install's
+    # deploy/k8s/agent-kubernetes component runs this image).
+    assert ("ARG", 'EXTRAS="[kubernetes]"') in steps[:install]
     copied_before = {
         src for op, a in steps[:install] if op == "COPY" for src in shlex.split(a)[:-1]
     }

@@ -135,13 +135,34 @@ def service(
         return EXIT_USAGE
     # A setting the service cannot start with is the operator's to fix: one line.
     try:
-        load_settings(service=True).require_urls()
+        settings = load_settings(service=True)
+        settings.require_urls()
     except RuntimeError as exc:
         print(f"gpusched: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if (missing := _missing_extra(name, settings)) is not None:
+        print(f"gpusched: {missing}", file=sys.stderr)
         return EXIT_USAGE
     # A service process: its log keeps the full traceback of a crash.
     importlib.import_module(f"gpusched.{name}.app").main()
     return 0
+
+
+def _missing_extra(name: str, settings: Settings) -> str | None:
+    """What the service needs installed for these settings and lacks, in words."""
+    import importlib.util
+
+    if (
+        name == "agent"
+        and settings.agent.cluster == "kubernetes"
+        and importlib.util.find_spec("kubernetes_asyncio") is None
+    ):
+        return (
+            "the Kubernetes agent (GPUSCHED_AGENT__CLUSTER=kubernetes) needs the extra "
+            "`kubernetes`: pip install 'gpusched[kubernetes]' (an image: docker build "
+            "--build-arg EXTRAS=[kubernetes])"
+        )
+    return None
 
 
 def migrate() -> int:
