@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from gpusched.contracts.messages import CheckpointKind
-from gpusched.sdk.storage import fsync_dir, local_path
+from gpusched.contracts.uris import local_path
+from gpusched.sdk.storage import fsync_dir
 
 _CHUNK = 1 << 20
 

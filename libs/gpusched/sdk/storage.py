@@ -15,31 +15,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
+from gpusched.contracts.uris import FILE_SCHEME, local_path
 from gpusched.sdk.errors import CheckpointError
 
 _CHUNK: Final = 1 << 20
-FILE_SCHEME: Final = "file"
-
-
-def local_path(uri: str) -> str:
-    """The path of a file URI on this host: `file:///p` or `file://localhost/p`.
-
-    ValueError for another host (`file://node-7/p` would be read here as `/p`, a
-    different file) or a relative path (read from wherever each reader runs)."""
-    parts = urlsplit(uri)
-    if parts.scheme.lower() != FILE_SCHEME:
-        raise ValueError(f"not a file:// URI: {uri!r}")
-    if parts.netloc not in ("", "localhost"):
-        raise ValueError(
-            f"{uri!r} names the host {parts.netloc!r}: a file URI here must name this "
-            "host's path (file:///path; shared storage is mounted, or s3://, gs://, az://)"
-        )
-    path = unquote(parts.path)
-    if not path.startswith("/"):
-        raise ValueError(f"{uri!r} names no absolute path (file:///path/to/checkpoint)")
-    return path
 
 
 def _refuse_a_mistyped_uri(text: str) -> None:

@@ -16,9 +16,9 @@ from gpusched.checkpoint.handlers import SagaHandlers
 from gpusched.checkpoint.policy import EvictionPolicies, TrustPolicy
 from gpusched.checkpoint.queries import Queries
 from gpusched.checkpoint.storage import Budget, FsspecStorage, NoStorage
-from gpusched.checkpoint.verification import FILE_SCHEME
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
+from gpusched.contracts.uris import FILE_SCHEME
 from gpusched.infra import access, bus
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime, run_service

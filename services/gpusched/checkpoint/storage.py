@@ -36,12 +36,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, TypeVar
-from urllib.parse import unquote, urlsplit
 
 from gpusched.checkpoint import metrics
 from gpusched.checkpoint.threads import VerificationThreads
 from gpusched.checkpoint.verification import (
-    FILE_SCHEME,
     ClaimCheck,
     ManifestFacts,
     ObjectFacts,
@@ -58,6 +56,7 @@ from gpusched.contracts.manifest import (
     ManifestFile,
 )
 from gpusched.contracts.messages import CheckpointKind
+from gpusched.contracts.uris import FILE_SCHEME, local_path
 from gpusched.domain.saga import CheckpointRef
 from gpusched.infra.errors import Unavailable, is_outage
 
@@ -301,7 +300,7 @@ def _locate(uri: str) -> tuple[Any, str]:
     from fsspec.implementations.local import LocalFileSystem
 
     if uri_scheme(uri) == FILE_SCHEME:
-        return LocalFileSystem(), unquote(urlsplit(uri).path)
+        return LocalFileSystem(), local_path(uri)
     fs, path = url_to_fs(uri)
     return fs, str(path)
 

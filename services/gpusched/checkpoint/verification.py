@@ -17,9 +17,9 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from gpusched.contracts.manifest import Manifest, ManifestFile
+from gpusched.contracts.uris import FILE_SCHEME, local_path
 from gpusched.domain.saga import CheckpointRef
 
-FILE_SCHEME: Final = "file"
 # RFC 3986: ALPHA *( ALPHA / DIGIT / "+" / "-" / "." ), compared in lower case.
 _SCHEME: Final = re.compile(r"[a-z][a-z0-9+.-]*")
 
@@ -90,10 +90,11 @@ def uri_scheme(uri: str) -> str:
     scheme = parts.scheme.lower()
     if not scheme or not valid_scheme(scheme) or not uri.lower().startswith(f"{scheme}:"):
         raise MalformedUri(f"{uri!r} names no URI scheme (as in file:///... or s3://...)")
-    if scheme == FILE_SCHEME and (
-        parts.netloc not in ("", "localhost") or not parts.path.startswith("/")
-    ):
-        raise MalformedUri(f"{uri!r} is no absolute local path (file:///path/to/checkpoint)")
+    if scheme == FILE_SCHEME:
+        try:
+            local_path(uri)
+        except ValueError as exc:
+            raise MalformedUri(str(exc)) from None
     return scheme
 
 
