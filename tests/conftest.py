@@ -38,6 +38,7 @@ from gpusched.infra.db import asyncpg_dsn
 from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres
 from gpusched.infra.natsauth import AuthBundle
 from gpusched.infra.settings import SecuritySettings, Settings
+from tests.support.hang_report import pytest_runtest_protocol  # noqa: F401 (a hook)
 from tests.support.identity import HARNESS, write_harness
 
 REPO = Path(__file__).resolve().parents[1]
