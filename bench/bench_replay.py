@@ -13,6 +13,9 @@ Figures (value, baseline, ratio):
   < 30 s;
 - inference SLO attainment (share of time), gpusched vs the static split;
 - training goodput (GPU-hours), queuing time (mean), gpusched vs the static split;
+  beside the static split's goodput, what bounds the goodput goal: the ceiling (GPUs
+  inference does not need), the ceiling on gpusched's pools, and the work bound (what
+  the jobs can get done by the horizon at all);
 - GPU-hours lost to preemption and SLO attainment, gpusched vs Kubernetes preemption;
 - for every other policy: its SLO, goodput, lost GPU-hours and evictions beside gpusched's;
 - the same experiment under other seeds (the workload's draws and the demand curve), with
@@ -85,6 +88,15 @@ async def run(ctx: Context) -> list[Figure]:
         Figure(NAME, "goodput_ceiling_gpu_h_vs_static",
                float(str(prepared.sizing["training_ceiling_gpu_h"])), "GPU-h",
                _get(static, "training", "goodput_gpu_h")),
+        # The work the jobs can do by the horizon at all (sizing's
+        # training_work_bound_gpu_h), and the ceiling on gpusched's own pools (its
+        # dedicated pool never trains): goodput is below both.
+        Figure(NAME, "goodput_work_bound_gpu_h_vs_static",
+               float(str(prepared.sizing["training_work_bound_gpu_h"])), "GPU-h",
+               _get(static, "training", "goodput_gpu_h")),
+        Figure(NAME, "goodput_gpusched_ceiling_gpu_h_vs_static",
+               float(str(prepared.sizing["gpusched_training_ceiling_gpu_h"])), "GPU-h",
+               _get(static, "training", "goodput_gpu_h")),
         Figure(NAME, "queuing_mean_h_vs_static", _get(ours, "training", "queuing", "mean_h"),
                "h", _get(static, "training", "queuing", "mean_h")),
         Figure(NAME, "jct_mean_h_vs_static", _get(ours, "training", "jct", "mean_h"), "h",
@@ -107,10 +119,10 @@ async def run(ctx: Context) -> list[Figure]:
             # The policy's figure beside gpusched's (ratio: the policy over gpusched).
             figures.append(Figure(NAME, f"{tag}_{metric}", _get(result, *path), unit,
                                   _get(ours, *path)))  # fmt: skip
-    for goal, verdict in report.goals(comparison.results).items():
+    for goal, verdict in report.goals(comparison.results, sizing=prepared.sizing).items():
         ctx.progress(f"replay: goal {goal}: {'met' if verdict.get('met') else 'NOT met'}")
     ctx.progress("replay: comparison\n" + report.markdown_table(comparison.results))
-    rows = [_seed_row(SEED, comparison.results)]
+    rows = [_seed_row(SEED, comparison)]
     for done, seed in enumerate(SEEDS, 1):
         ctx.progress(f"replay: seed {seed} ({done} of {len(SEEDS)}), {', '.join(COMPARED)}")
         other = experiment.run(
@@ -118,23 +130,27 @@ async def run(ctx: Context) -> list[Figure]:
                 experiment.Experiment(traces_dir=Settings().traces_dir, seed=seed, only=COMPARED)
             )
         )
-        figures.extend(_seed_figures(seed, other.results))
-        rows.append(_seed_row(seed, other.results))
+        figures.extend(_seed_figures(seed, other))
+        rows.append(_seed_row(seed, other))
     if SEEDS:
         ctx.progress("replay: the goals across seeds\n" + "\n".join(_SEED_HEADER + rows))
     return figures
 
 
 _SEED_HEADER = [
-    "| seed | SLO (time) vs static | goodput vs static | queuing vs static "
+    "| seed | SLO (time) vs static | goodput vs static (at most) | queuing vs static "
     "| lost GPU-h vs Kubernetes | SLO (time) vs Kubernetes | goals met |",
     "|---|---|---|---|---|---|---|",
 ]
 
 
-def _seed_figures(seed: int, results: list[RunResult]) -> list[Figure]:
-    runs = {r.policy: r for r in results}
+def _seed_figures(seed: int, comparison: experiment.Comparison) -> list[Figure]:
+    runs = {r.policy: r for r in comparison.results}
     ours, static, k8s = runs[report.PRIMARY], runs[report.STATIC], runs[report.KUBERNETES]
+    bound = min(
+        float(str(comparison.prepared.sizing["training_work_bound_gpu_h"])),
+        float(str(comparison.prepared.sizing["training_ceiling_gpu_h"])),
+    )
     return [
         Figure(NAME, f"seed_{seed}_{metric}", _get(ours, *path), unit, _get(base, *path))
         for metric, path, unit, base in (
@@ -144,11 +160,14 @@ def _seed_figures(seed: int, results: list[RunResult]) -> list[Figure]:
             ("lost_gpu_h_vs_kubernetes", ("training", "lost_gpu_h"), "GPU-h", k8s),
             ("slo_time_share_vs_kubernetes", ("inference", "slo_time_share"), "share", k8s),
         )
-    ]
+    ] + [
+        Figure(NAME, f"seed_{seed}_goodput_bound_gpu_h_vs_static", bound, "GPU-h",
+               _get(static, "training", "goodput_gpu_h")),
+    ]  # fmt: skip
 
 
-def _seed_row(seed: int, results: list[RunResult]) -> str:
-    goals = report.goals(results)
+def _seed_row(seed: int, comparison: experiment.Comparison) -> str:
+    goals = report.goals(comparison.results, sizing=comparison.prepared.sizing)
 
     def of(goal: str, key: str) -> float:
         value = goals[goal][key]
@@ -158,7 +177,7 @@ def _seed_row(seed: int, results: list[RunResult]) -> str:
     met = [name for name, verdict in goals.items() if verdict.get("met")]
     return (
         f"| {seed} | {of('slo', 'value'):.3%} vs {of('slo', 'baseline'):.3%} "
-        f"| {of('goodput', 'ratio'):.2f}x "
+        f"| {of('goodput', 'ratio'):.2f}x ({of('goodput', 'at_most_any_policy'):.2f}x) "
         f"| {of('queuing', 'value'):.2f} h vs {of('queuing', 'baseline'):.2f} h "
         f"| {of('lost_work', 'value'):.2f} vs {of('lost_work', 'baseline'):.2f} "
         f"({of('lost_work', 'lower_share'):.1%} lower) "

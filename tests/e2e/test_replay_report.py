@@ -64,6 +64,11 @@ def test_replay_on_a_csv_of_ones_own_prints_json_and_writes_a_report(tmp_path: P
     ]  # fmt: skip
     assert data["workload"]["training_jobs"] == 80
     assert data["policies"][0]["results"]["training"]["arrived"] == 80
+    # The goodput goal says what bounds it: the jobs' own work by the horizon, the ceiling.
+    sizing, goodput = data["sizing"], data["goals"]["goodput"]
+    bound = min(sizing["training_work_bound_gpu_h"], sizing["training_ceiling_gpu_h"])
+    assert goodput["at_most_any_policy"] == pytest.approx(bound / goodput["baseline"], rel=1e-3)
+    assert goodput["reachable"] is (goodput["at_most_any_policy"] >= 1.3)
     assert html.stat().st_size > 10_000
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")

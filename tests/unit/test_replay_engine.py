@@ -121,8 +121,42 @@ def test_every_job_is_accounted_for_and_goodput_is_what_ran_less_what_was_lost(
     assert training["goodput_gpu_h"] == pytest.approx(
         training["ran_gpu_h"] - training["lost_gpu_h"]
     )
+    # No policy gets more done than the jobs can do by the horizon at all.
+    assert training["goodput_gpu_h"] <= workload().completable_gpu_seconds(HORIZON) / 3600
     assert 0 <= get(result, "cluster", "allocated_share_mean") <= 1
     assert Decimal(result.summary["cost"]["total"]) > 0  # type: ignore[index]
+
+
+def test_the_work_bound_is_every_job_run_from_its_arrival_and_cut_at_the_horizon() -> None:
+    jobs = from_user_rows(
+        [
+            UserRow("whole", 0.0, 2, 1000, 3600.0, PriorityClass.P2_OFFLINE, "lab"),
+            UserRow("cut", 3 * 3600.0, 1, 500, 7200.0, PriorityClass.P1_NORMAL, "lab"),
+            UserRow("late", 5 * 3600.0, 4, 1000, 60.0, PriorityClass.P2_OFFLINE, "lab"),
+        ],
+        seed=1,
+    )
+
+    # 2 GPUs x 1 h, half a GPU x the 1 h left of its 2 h, nothing from a job after it.
+    assert jobs.completable_gpu_seconds(4 * 3600.0) / 3600 == pytest.approx(2.5)
+    assert jobs.completable_gpu_seconds(0.0) == 0.0
+
+
+def test_a_cluster_too_large_to_queue_on_reaches_the_work_bound_and_no_more() -> None:
+    # Four times the GPUs and no inference: nothing waits, so the static split's goodput
+    # is the bound itself (the bound is reachable, not only an upper limit).
+    big = parse_inventory(
+        {"nodes": [{"name_prefix": "n", "count": 32, "pool": "shared", "gpu_model": "T4",
+                    "gpus": 4, "cpu_milli": 64000, "memory_mib": 262144}]}
+    )  # fmt: skip
+    idle = DemandCurve.of([0.0], step_s=HORIZON)
+    alone = replace(STATIC, inference_gpus=0)
+    result = replay(alone, pools.split(big, 0), workload(), idle, PARAMS, periodic_s=1800.0,
+                    book=BOOK)  # fmt: skip
+
+    bound = workload().completable_gpu_seconds(HORIZON) / 3600
+    assert get(result, "training", "goodput_gpu_h") == pytest.approx(bound, rel=0.01)
+    assert get(result, "training", "queuing", "mean_h") < 0.05
 
 
 def test_urgent_jobs_are_never_evicted_for_inference() -> None:
@@ -152,7 +186,9 @@ def test_the_summary_is_json_without_nan_and_the_goals_compare_with_the_baseline
     results = [run(GPUSCHED), run(STATIC), run(KUBERNETES)]
     prepared = Prepared(
         Experiment(traces_dir=__import__("pathlib").Path(".")), CLUSTER, workload(), DEMAND,
-        PARAMS, (GPUSCHED, STATIC, KUBERNETES), BOOK, {"cluster_gpus": 32},
+        PARAMS, (GPUSCHED, STATIC, KUBERNETES), BOOK,
+        {"cluster_gpus": 32, "training_work_bound_gpu_h": 50.0, "training_ceiling_gpu_h": 40.0,
+         "gpusched_training_ceiling_gpu_h": 30.0},
     )  # fmt: skip
     comparison = Comparison(prepared, results, {p.name: 1.0 for p in prepared.policies})
 
@@ -163,6 +199,12 @@ def test_the_summary_is_json_without_nan_and_the_goals_compare_with_the_baseline
                                                      "kubernetes preemption"]  # fmt: skip
     assert set(data["goals"]) == {"slo", "goodput", "queuing", "lost_work"}
     assert data["goals"]["lost_work"]["baseline"] == get(run(KUBERNETES), "training", "lost_gpu_h")
+    # The goodput goal is bounded by the lesser of the ceiling and the work bound.
+    static_goodput = get(run(STATIC), "training", "goodput_gpu_h")
+    goodput = data["goals"]["goodput"]
+    assert goodput["at_most_any_policy"] == pytest.approx(40.0 / static_goodput)
+    assert goodput["at_most_gpusched_pools"] == pytest.approx(30.0 / static_goodput)
+    assert goodput["reachable"] is (40.0 / static_goodput >= 1.3)
     assert "| gpusched |" in report.markdown_table(results)
 
 
@@ -183,3 +225,7 @@ def test_the_training_ceiling_is_every_gpu_inference_does_not_need_for_its_slo()
     assert params.latency.highest_rho(0.0) == 0.0
     unreachable = replace(params, slo_ms=1.0)  # below the service time itself
     assert training_ceiling_gpu_h(20, demand, params.horizon_s, unreachable) == 0.0
+    # A dedicated pool of 15 never trains: 5 + 5 + 0 GPU-hours are left.
+    assert training_ceiling_gpu_h(
+        20, demand, params.horizon_s, params, dedicated=15
+    ) == pytest.approx(10.0)

@@ -169,7 +169,13 @@ def _show(comparison: Comparison, fmt: Format, html: Path | None, json_out: Path
         out.print(grid)
         for name, goal in data["goals"].items():
             met = {True: "met", False: "NOT met", None: "-"}[goal.get("met")]
-            out.print(f"goal {name}: {goal['goal']}: {met}", markup=False)
+            reach = goal.get("at_most_any_policy")
+            bound = (
+                f" (any policy here could reach at most {reach:.2f}x)"
+                if isinstance(reach, int | float) and goal.get("reachable") is False
+                else ""
+            )
+            out.print(f"goal {name}: {goal['goal']}: {met}{bound}", markup=False)
         if html is not None:
             out.print(f"report: {html}", markup=False)
     else:

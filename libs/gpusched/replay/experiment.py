@@ -222,6 +222,10 @@ def prepare(experiment: Experiment) -> Prepared:
         "horizon_h": round(horizon / 3600, 2),
         "static_training_capacity_gpu_h": round((total - static_inference) * horizon / 3600, 1),
         "training_ceiling_gpu_h": round(training_ceiling_gpu_h(total, demand, horizon, params), 1),
+        "gpusched_training_ceiling_gpu_h": round(
+            training_ceiling_gpu_h(total, demand, horizon, params, dedicated=design), 1
+        ),
+        "training_work_bound_gpu_h": round(workload.completable_gpu_seconds(horizon) / 3600, 1),
     }
     book = traces.read_price_book(experiment.price_book)
     return Prepared(experiment, cluster, workload, demand, params, policies, book, sizing)
@@ -256,18 +260,24 @@ def run(prepared: Prepared, progress: Callable[[str, float], None] | None = None
 
 
 def training_ceiling_gpu_h(
-    cluster_gpus: int, demand: DemandCurve, horizon_s: float, params: EngineParams
+    cluster_gpus: int,
+    demand: DemandCurve,
+    horizon_s: float,
+    params: EngineParams,
+    dedicated: int = 0,
 ) -> float:
     """The most GPU-hours any policy could give training: at every step of the demand
     curve, every GPU that inference does not need to meet its SLO (the demand over the
     highest utilization within it, in whole GPUs), packed without a gap. A policy that
-    keeps headroom, packs fractions imperfectly or loses work gets less."""
+    keeps headroom, packs fractions imperfectly or loses work gets less. ``dedicated``:
+    GPUs training never gets (gpusched's dedicated pool), idle or not."""
     rho = params.latency.highest_rho(params.slo_ms)
     if rho <= 0:
         return 0.0  # no utilization meets the SLO: inference would need every GPU
     steps = int(horizon_s // demand.step_s)
     free = sum(
-        max(0, cluster_gpus - math.ceil(demand.at(i * demand.step_s) / rho)) for i in range(steps)
+        max(0, cluster_gpus - max(dedicated, math.ceil(demand.at(i * demand.step_s) / rho)))
+        for i in range(steps)
     )
     return free * demand.step_s / 3600
 

@@ -138,6 +138,15 @@ class Workload:
     def offered_gpu_seconds(self) -> float:
         return sum(job.gpu_share * job.work_s for job in self.jobs)
 
+    def completable_gpu_seconds(self, horizon_s: float) -> float:
+        """The most training work (GPU-seconds) any policy can get done by the horizon,
+        however many GPUs it has: every job started at its arrival and never stopped,
+        cut at the horizon. Goodput cannot exceed it."""
+        return sum(
+            job.gpu_share * min(job.work_s, max(0.0, horizon_s - job.arrival_s))
+            for job in self.jobs
+        )
+
     def offered_gpus(self) -> float:
         """GPUs the training jobs would hold on average over their arrival span if each
         started at once and ran uninterrupted (work past the span not counted)."""
