@@ -19,8 +19,9 @@ Figures (value, baseline, ratio):
 - GPU-hours lost to preemption and SLO attainment, gpusched vs Kubernetes preemption;
 - for every other policy: its SLO, goodput, lost GPU-hours and evictions beside gpusched's;
 - the same experiment under other seeds (the workload's draws and the demand curve), with
-  the three policies the goals compare: each goal's figures per seed, so one seed's
-  verdicts can be told from the experiment's (docs/replay.md, "Across seeds").
+  the three policies the goals compare and the base-load pool: each goal's figures per
+  seed, so one seed's verdicts can be told from the experiment's (docs/replay.md,
+  "Across seeds").
 
 Knobs: BENCH_REPLAY_SEED (2023), BENCH_REPLAY_SEEDS (the other seeds, comma-separated;
 "2024,2025,2026,2027", empty for none), BENCH_REPLAY_HTML (a path: also write the report).
@@ -44,7 +45,7 @@ SEEDS = tuple(
     if seed.strip()
 )
 # What each other seed replays: the policies the goals compare.
-COMPARED = (report.PRIMARY, report.STATIC, report.KUBERNETES)
+COMPARED = (report.PRIMARY, report.STATIC, report.KUBERNETES, report.BASE_LOAD)
 HTML = os.environ.get("BENCH_REPLAY_HTML")
 
 
@@ -99,6 +100,9 @@ async def run(ctx: Context) -> list[Figure]:
                _get(static, "training", "goodput_gpu_h")),
         Figure(NAME, "queuing_mean_h_vs_static", _get(ours, "training", "queuing", "mean_h"),
                "h", _get(static, "training", "queuing", "mean_h")),
+        Figure(NAME, "queuing_with_unstarted_mean_h_vs_static",
+               _get(ours, "training", "queuing_with_unstarted", "mean_h"), "h",
+               _get(static, "training", "queuing_with_unstarted", "mean_h")),
         Figure(NAME, "jct_mean_h_vs_static", _get(ours, "training", "jct", "mean_h"), "h",
                _get(static, "training", "jct", "mean_h")),
         Figure(NAME, "lost_gpu_h_vs_kubernetes", _get(ours, "training", "lost_gpu_h"), "GPU-h",
@@ -139,14 +143,16 @@ async def run(ctx: Context) -> list[Figure]:
 
 _SEED_HEADER = [
     "| seed | SLO (time) vs static | goodput vs static (at most) | queuing vs static "
-    "| lost GPU-h vs Kubernetes | SLO (time) vs Kubernetes | goals met |",
-    "|---|---|---|---|---|---|---|",
+    "| lost GPU-h vs Kubernetes | SLO (time) vs Kubernetes | goals met "
+    "| base-load pool: goodput, queuing vs static |",
+    "|---|---|---|---|---|---|---|---|",
 ]
 
 
 def _seed_figures(seed: int, comparison: experiment.Comparison) -> list[Figure]:
     runs = {r.policy: r for r in comparison.results}
     ours, static, k8s = runs[report.PRIMARY], runs[report.STATIC], runs[report.KUBERNETES]
+    small = runs[report.BASE_LOAD]
     bound = min(
         float(str(comparison.prepared.sizing["training_work_bound_gpu_h"])),
         float(str(comparison.prepared.sizing["training_ceiling_gpu_h"])),
@@ -159,6 +165,16 @@ def _seed_figures(seed: int, comparison: experiment.Comparison) -> list[Figure]:
             ("queuing_mean_h_vs_static", ("training", "queuing", "mean_h"), "h", static),
             ("lost_gpu_h_vs_kubernetes", ("training", "lost_gpu_h"), "GPU-h", k8s),
             ("slo_time_share_vs_kubernetes", ("inference", "slo_time_share"), "share", k8s),
+        )
+    ] + [
+        # The dedicated pool at the base load, beside the static split: what a smaller
+        # dedicated pool gives training under this seed.
+        Figure(NAME, f"seed_{seed}_base_load_{metric}", _get(small, *path), unit,
+               _get(static, *path))
+        for metric, path, unit in (
+            ("goodput_gpu_h_vs_static", ("training", "goodput_gpu_h"), "GPU-h"),
+            ("queuing_mean_h_vs_static", ("training", "queuing", "mean_h"), "h"),
+            ("slo_time_share_vs_static", ("inference", "slo_time_share"), "share"),
         )
     ] + [
         Figure(NAME, f"seed_{seed}_goodput_bound_gpu_h_vs_static", bound, "GPU-h",
@@ -175,6 +191,7 @@ def _seed_row(seed: int, comparison: experiment.Comparison) -> str:
         return float(value)
 
     met = [name for name, verdict in goals.items() if verdict.get("met")]
+    small = report.goals(comparison.results, primary=report.BASE_LOAD)
     return (
         f"| {seed} | {of('slo', 'value'):.3%} vs {of('slo', 'baseline'):.3%} "
         f"| {of('goodput', 'ratio'):.2f}x ({of('goodput', 'at_most_any_policy'):.2f}x) "
@@ -182,5 +199,7 @@ def _seed_row(seed: int, comparison: experiment.Comparison) -> str:
         f"| {of('lost_work', 'value'):.2f} vs {of('lost_work', 'baseline'):.2f} "
         f"({of('lost_work', 'lower_share'):.1%} lower) "
         f"| {of('lost_work', 'slo'):.3%} vs {of('lost_work', 'baseline_slo'):.3%} "
-        f"| {', '.join(met) or 'none'} |"
+        f"| {', '.join(met) or 'none'} "
+        f"| {small['goodput']['ratio']:.2f}x, {small['queuing']['value']:.2f} h "
+        f"({small['queuing']['ratio']:.2f}x shorter) |"
     )

@@ -229,3 +229,27 @@ def test_the_training_ceiling_is_every_gpu_inference_does_not_need_for_its_slo()
     assert training_ceiling_gpu_h(
         20, demand, params.horizon_s, params, dedicated=15
     ) == pytest.approx(10.0)
+
+
+def test_jobs_never_started_count_in_the_queuing_that_includes_them_at_their_wait() -> None:
+    jobs = from_user_rows(
+        [
+            UserRow("fits", 0.0, 1, 1000, 600.0, PriorityClass.P2_OFFLINE, "lab"),
+            # Asks for more GPUs than the cluster has: it waits until the horizon.
+            UserRow("huge", 0.0, 64, 1000, 600.0, PriorityClass.P2_OFFLINE, "lab"),
+        ],
+        seed=1,
+    )
+    idle = DemandCurve.of([0.0], step_s=HORIZON)
+    alone = replace(STATIC, inference_gpus=0)
+    result = replay(alone, pools.split(CLUSTER, 0), jobs, idle, PARAMS, periodic_s=1800.0,
+                    book=BOOK)  # fmt: skip
+
+    training = result.summary["training"]
+    assert isinstance(training, dict)
+    assert training["never_started"] == 1
+    assert get(result, "training", "queuing", "mean_h") < 0.05
+    # The one that started waited ~0, the other the whole day: the mean is half a day.
+    assert get(result, "training", "queuing_with_unstarted", "mean_h") == pytest.approx(
+        HORIZON / 3600 / 2, abs=0.05
+    )

@@ -5,7 +5,8 @@ Definitions (the report states them too):
   during which the serving GPUs give a P99 within the SLO under the simulated cluster's
   latency model (``simcluster.load.LatencyModel``: 200 ms is a utilization of 0.85);
 - training queuing time: submit to first start; JCT: submit to completion (jobs that
-  completed within the horizon); jobs still waiting at the end are counted apart;
+  completed within the horizon); jobs still waiting at the end are counted apart, and
+  in ``queuing_with_unstarted`` at their wait so far (a lower bound on theirs);
 - goodput: GPU-hours of training that counted toward completion (run minus lost);
 - GPU-hours lost to preemption: work done since the newest checkpoint at eviction;
 - cost: the price book on the training allocations and the inference serving fleet
@@ -249,6 +250,10 @@ class Recorder:
                 "completed": self.completions,
                 "never_started": len(self.unstarted),
                 "queuing": _stats(self.waits),
+                # The jobs never started counted too, at their wait so far (a lower
+                # bound on their queuing): a policy that leaves more jobs waiting at the
+                # horizon looks no better for it.
+                "queuing_with_unstarted": _stats(self.waits + self.unstarted),
                 "jct": _stats(self.jcts),
                 "goodput_gpu_h": (self.run_gpu_s - self.lost_gpu_s) / 3600,
                 "ran_gpu_h": self.run_gpu_s / 3600,

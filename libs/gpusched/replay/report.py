@@ -34,6 +34,7 @@ __all__ = [
 PRIMARY = "gpusched"
 STATIC = "static split"
 KUBERNETES = "kubernetes preemption"
+BASE_LOAD = "gpusched, base-load pool"
 # The goals, against the baselines of the same run.
 GOALS = {
     "slo": "inference SLO attainment >= 99.9% and >= the static split's",
@@ -95,6 +96,12 @@ def goals(
             "value": wait,
             "baseline": base_wait,
             "ratio": better,
+            # The same with the jobs never started at their wait so far (the goal is
+            # judged on the declared figure; this one shows what it leaves out).
+            "value_with_unstarted": figure(ours, "training", "queuing_with_unstarted", "mean_h"),
+            "baseline_with_unstarted": figure(
+                static, "training", "queuing_with_unstarted", "mean_h"
+            ),
             "met": better >= 1.5,
         }
     if k8s is not None:
@@ -186,6 +193,7 @@ TABLE = (
     ("SLO (requests)", ("inference", "slo_request_share"), "pct"),
     ("queuing mean h", ("training", "queuing", "mean_h"), "f2"),
     ("queuing p99 h", ("training", "queuing", "p99_h"), "f2"),
+    ("queuing mean h, unstarted too", ("training", "queuing_with_unstarted", "mean_h"), "f2"),
     ("JCT mean h", ("training", "jct", "mean_h"), "f2"),
     ("JCT p50 h", ("training", "jct", "p50_h"), "f2"),
     ("JCT p99 h", ("training", "jct", "p99_h"), "f2"),
