@@ -35,7 +35,7 @@ import pytest
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import bus, natsauth
 from gpusched.infra.db import asyncpg_dsn
-from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres
+from gpusched.infra.embedded import STACK_MAX_PAYLOAD, EmbeddedNats, EmbeddedPostgres
 from gpusched.infra.natsauth import AuthBundle
 from gpusched.infra.settings import SecuritySettings, Settings
 from tests.support.hang_report import pytest_runtest_protocol  # noqa: F401 (a hook)
@@ -84,7 +84,10 @@ def servers() -> Iterator[Servers]:
         if not nats_url:
             auth = AuthBundle.create(scratch / "auth")
             write_harness(auth)
-            nats = EmbeddedNats(scratch / "nats", auth_config=auth.server_config)
+            # As the stacks gpusched ships: services may send up to 8 MiB, clients 1 MiB.
+            nats = EmbeddedNats(
+                scratch / "nats", auth_config=auth.server_config, max_payload=STACK_MAX_PAYLOAD
+            )
             nats_url = nats.start()
             stack.append(nats)
         if not db_url:

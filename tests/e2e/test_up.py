@@ -17,11 +17,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import psutil
 import pytest
 
 from gpusched.cli.client import ApiClient
 from gpusched.cli.stack import Stack
+from gpusched.infra.embedded import STACK_MAX_PAYLOAD
 from gpusched.infra.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,6 +270,16 @@ async def test_a_stack_brings_back_a_killed_server_and_service_and_counts_the_re
         ) as api:
             await api.wait_until_serving()
         assert stack.failure is None
+        # The stack's NATS, restarted with its configuration, takes an inventory.loaded
+        # of more than ~10,000 nodes (docs/operating.md).
+        client = await nats.connect(
+            stack.settings.nats_url or "",
+            user_credentials=str(stack.settings.nats_credentials),
+        )
+        try:
+            assert client.max_payload == STACK_MAX_PAYLOAD
+        finally:
+            await client.close()
     finally:
         await asyncio.to_thread(stack.stop)
 

@@ -9,6 +9,7 @@ a team, a job, a node, a service outside its grant, and nobody at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tests.support.admission import (
     SMALL_CLUSTER,
     Admission,
     Client,
+    inventory_loaded_bytes,
     start_admission,
     with_inventory,
 )
@@ -31,6 +33,8 @@ from tests.support.identity import harness_options
 from tests.support.waiting import eventually
 
 from gpusched.billing import app as billing_app
+from gpusched.cli.client import ApiClient
+from gpusched.cli.errors import BadInput
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import (
     AuditRecord,
@@ -42,7 +46,13 @@ from gpusched.contracts.messages import (
 )
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import natsauth
-from gpusched.infra.natsauth import AuthBundle, Identity, job_user_name, node_user_name
+from gpusched.infra.natsauth import (
+    CLIENT_MAX_PAYLOAD,
+    AuthBundle,
+    Identity,
+    job_user_name,
+    node_user_name,
+)
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
 
@@ -220,6 +230,59 @@ async def test_a_service_cannot_publish_outside_its_grant(
     assert await attacker.violated(start)
     assert await stored(harness, s.stream("COMMANDS"), start) == 0
     await attacker.nc.close()
+
+
+async def test_a_job_a_node_and_a_team_are_cut_off_past_a_clients_message_size(
+    servers: Servers, own_identities: Settings, harness: NatsClient, tmp_path: Path
+) -> None:
+    auth = _auth(servers)
+    if harness.max_payload <= CLIENT_MAX_PAYLOAD:
+        pytest.skip("the external NATS of this run takes no more than a client may send")
+    s = Subjects(own_identities.subject_prefix)
+    node = auth.node_credentials_issuer().creds(Identity(node_user_name(s.prefix, "shared-00")))
+    for name, creds, subject in (
+        ("job", as_job(servers, s.prefix, "job-big"), s.job_events("job-big")),
+        ("node", node, s.telemetry_gpu("shared-00")),
+        ("team", as_team(servers, "lab"), s.api_jobs_submit),
+    ):
+        attacker = await connect(servers.nats_url, creds, tmp_path, name)
+        await attacker.publish(subject, b"{}")  # its grant: accepted
+        assert not attacker.errors
+        with contextlib.suppress(nats.errors.Error):
+            await attacker.publish(subject, b"x" * (CLIENT_MAX_PAYLOAD + 1))
+
+        async def cut_off(attacker: Attacker = attacker) -> bool:
+            return attacker.nc.is_closed
+
+        assert await eventually(cut_off, within=5), (name, attacker.errors)
+    assert await stored(harness, s.stream("JOBS"), s.job_events("job-big")) == 1
+    telemetry = s.stream("TELEMETRY")
+    assert await stored(harness, telemetry, s.stored_telemetry_gpu("shared-00")) == 1
+
+    # A service sends what the server takes: admission's inventory of 10,000 nodes.
+    assert own_identities.security.auth_dir is not None
+    admission = (own_identities.security.auth_dir / "creds" / "admission.creds").read_text()
+    service = await connect(servers.nats_url, admission, tmp_path, "admission")
+    inventory = inventory_loaded_bytes(10_000)
+    assert len(inventory) > CLIENT_MAX_PAYLOAD
+    loaded = s.event("admission", T.INVENTORY_LOADED)
+    await service.nc.jetstream().publish(loaded, inventory)
+    assert await stored(harness, s.stream("EVENTS"), loaded) == 1
+    await service.nc.close()
+
+
+async def test_the_cli_refuses_a_request_over_a_clients_message_size_before_sending_it(
+    servers: Servers, own_identities: Settings, tmp_path: Path
+) -> None:
+    creds = tmp_path / "team.creds"
+    creds.write_text(as_team(servers, "lab"))
+    prefix = own_identities.subject_prefix
+    async with ApiClient(servers.nats_url, prefix, credentials=creds) as api:
+        with pytest.raises(BadInput, match="more than a client may send"):
+            await api.request(api.subjects.api_jobs_submit, b"x" * (CLIENT_MAX_PAYLOAD + 1))
+        # Not sent: the server would have cut the connection off.
+        await api.nc.flush(timeout=5)
+        assert api.nc.is_connected
 
 
 async def test_a_job_cannot_confirm_for_read_or_disturb_another_job(

@@ -19,8 +19,15 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+from tests.support.admission import inventory_loaded_bytes
 
-from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port
+from gpusched.infra.embedded import (
+    STACK_MAX_PAYLOAD,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    EmbeddedServerError,
+    free_port,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,6 +122,40 @@ async def test_nats_restarted_on_the_same_data_dir_keeps_its_streams(nats_dir: P
         finally:
             await client.close()
     assert info.state.messages == 1
+
+
+async def test_the_shipped_stacks_nats_carries_the_inventory_of_10000_nodes(
+    nats_dir: Path,
+) -> None:
+    payload = inventory_loaded_bytes(10_000)
+    assert len(payload) > 1024 * 1024  # over NATS's default max_payload
+
+    with EmbeddedNats(nats_dir / "default") as default:
+        client = await nats.connect(default.url)
+        try:
+            with pytest.raises(nats.errors.MaxPayloadError):
+                await client.publish("inventory", payload)
+        finally:
+            await client.close()
+
+    with EmbeddedNats(nats_dir / "stack", max_payload=STACK_MAX_PAYLOAD) as stack:
+        client = await nats.connect(stack.url)
+        try:
+            assert client.max_payload == STACK_MAX_PAYLOAD
+            js = client.jetstream()
+            await js.add_stream(name="EVENTS", subjects=["events.>"])
+            await js.publish("events.inventory.loaded", payload)
+            stored = await js.get_msg("EVENTS", seq=1)
+        finally:
+            await client.close()
+    assert stored.data == payload
+
+
+def test_a_max_payload_over_what_nats_advises_is_refused(nats_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_payload"):
+        EmbeddedNats(nats_dir, max_payload=STACK_MAX_PAYLOAD + 1)
+    with pytest.raises(ValueError, match="max_payload"):
+        EmbeddedNats(nats_dir, max_payload=0)
 
 
 def test_servers_restarted_in_place_keep_their_urls(nats_dir: Path, pg_dir: Path) -> None:

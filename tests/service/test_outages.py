@@ -288,7 +288,8 @@ async def test_an_event_nats_refuses_for_its_size_is_parked_and_the_events_behin
         async with runtime.uow() as uow:
             # One event over the server's max_payload, committed between two others.
             for step in (1, 2, 3):
-                notes = {f"note{n}": "x" * 60_000 for n in range(huge // 60_000 + 1)}
+                # Lists of strings: a metric holds at most 64 KiB of text in one string.
+                notes = {f"note{n}": ["x" * 60_000] * 50 for n in range(huge // 3_000_000 + 1)}
                 data = JobProgress(step=step, **(notes if step == 2 else {}))
                 await uow.emit(runtime.subjects.event(SERVICE, RECORDED), RECORDED, data)
             await uow.commit()

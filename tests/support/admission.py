@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from gpusched.admission import app as admission_app
 from gpusched.admission.app import NAME as ADMISSION
 from gpusched.admission.app import SCHEMA, AdmissionService, assemble
+from gpusched.admission.wire import inventory_loaded
 from gpusched.contracts.envelope import Envelope, make_envelope
 from gpusched.contracts.messages import (
     CheckpointInfo,
@@ -33,7 +34,7 @@ from gpusched.contracts.messages import (
     WorkloadStopped,
 )
 from gpusched.contracts.subjects import Subjects
-from gpusched.domain.inventory import Pool
+from gpusched.domain.inventory import Pool, parse_inventory
 from gpusched.domain.ledger import Ledger, PoolCapacity
 from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.runtime import ServiceRuntime
@@ -247,3 +248,15 @@ class Client:
             T.RETURN_TO_SHARED,
             ReturnToShared(reservation_id="res-1", decision_id=decision_id, gpus=gpus),
         )
+
+
+def inventory_loaded_bytes(nodes: int) -> bytes:
+    """admission's inventory.loaded as its outbox writes it, for `nodes` 8-GPU nodes of
+    two NVLink islands each (~109 bytes a node)."""
+    inventory = parse_inventory(
+        {"nodes": [{"name_prefix": "gpu-node", "count": nodes, "pool": "shared",
+                    "gpu_model": "A100-80GB", "gpus": 8, "cpu_milli": 128000,
+                    "memory_mib": 1048576, "nvlink_islands": [[0, 1, 2, 3], [4, 5, 6, 7]]}]}
+    )  # fmt: skip
+    event = make_envelope(T.INVENTORY_LOADED, inventory_loaded(inventory), source=ADMISSION)
+    return event.to_bytes()

@@ -32,6 +32,7 @@ from gpusched.billing import metrics as billing_metrics
 from gpusched.checkpoint import metrics as checkpoint_metrics
 from gpusched.cli.stack import SERVICES
 from gpusched.infra import metrics
+from gpusched.infra.embedded import STACK_MAX_PAYLOAD
 from gpusched.infra.settings import Settings
 from gpusched.ingest import fold
 from gpusched.ingest import handlers as ingest_handlers
@@ -602,6 +603,17 @@ def test_compose_nats_takes_its_accounts_from_the_bundle_and_keeps_monitoring_in
     assert urlsplit(f"//{http}").hostname == "127.0.0.1"
     healthcheck = " ".join(compose()["services"]["nats"]["healthcheck"]["test"])
     assert f"http://127.0.0.1:{urlsplit(f'//{http}').port}/healthz" in healthcheck
+
+
+def test_the_shipped_nats_servers_take_the_inventory_of_more_than_10000_nodes() -> None:
+    # admission's inventory.loaded is over NATS's default 1 MB past ~10,000 nodes; the
+    # servers gpusched ships take what `gpusched up`'s embedded server takes.
+    units = {"KB": 1 << 10, "MB": 1 << 20}
+    for config in (compose_nats_config()[1], nats_pod()[2]):
+        [value] = nats_conf_values(config, "max_payload")
+        size = re.fullmatch(r"(\d+)(KB|MB)", value)
+        assert size is not None, value
+        assert int(size[1]) * units[size[2]] == STACK_MAX_PAYLOAD
 
 
 def test_compose_nats_config_with_the_bundle_mounted_is_accepted_by_nats_server(

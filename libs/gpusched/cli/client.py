@@ -25,6 +25,7 @@ from gpusched.cli.errors import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     ApiError,
+    BadInput,
     CliError,
     NoAnswer,
     NotConfigured,
@@ -276,10 +277,15 @@ class ApiClient:
         return self._nc
 
     async def request(self, subject: str, body: bytes) -> bytes:
-        try:
-            msg = await self.nc.request(
-                subject, body, timeout=self.timeout_s, headers=tracing.inject() or None
+        headers = tracing.inject() or None
+        if natsauth.message_size(body, headers) > natsauth.CLIENT_MAX_PAYLOAD:
+            # The server would cut the connection of a client that sent it.
+            raise BadInput(
+                f"the request is {len(body):,} bytes, more than a client may send "
+                f"({natsauth.CLIENT_MAX_PAYLOAD:,}): send less in one command"
             )
+        try:
+            msg = await self.nc.request(subject, body, timeout=self.timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise NoAnswer(
                 f"no service answers on {subject}: is the stack up (`gpusched up`)?"

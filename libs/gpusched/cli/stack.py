@@ -52,7 +52,13 @@ from gpusched.cli.stackfile import (
 from gpusched.contracts.subjects import Subjects
 from gpusched.infra import bus, natsauth
 from gpusched.infra.db import create_engine
-from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError, free_port
+from gpusched.infra.embedded import (
+    STACK_MAX_PAYLOAD,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    EmbeddedServerError,
+    free_port,
+)
 from gpusched.infra.migrations import migrate, migrations_dir
 from gpusched.infra.settings import Settings
 from gpusched.infra.supervisor import (
@@ -263,6 +269,7 @@ class Stack:
                     self._reuse(previous.nats_port, "NATS"),
                     monitor_port=self._reuse(previous.nats_monitor_port, "NATS monitoring"),
                     auth_config=self.auth.server_config,
+                    max_payload=STACK_MAX_PAYLOAD,
                 )
                 self._servers["nats"] = _Watched(nats, Backoff(self.policy))
                 nats_url = nats.start()

@@ -39,7 +39,13 @@ from typing import IO, Self
 from gpusched.infra.supervisor import spawn_bound_child, terminate
 from gpusched.infra.tls import ServerTls
 
-__all__ = ["EmbeddedNats", "EmbeddedPostgres", "EmbeddedServerError", "free_port"]
+__all__ = [
+    "STACK_MAX_PAYLOAD",
+    "EmbeddedNats",
+    "EmbeddedPostgres",
+    "EmbeddedServerError",
+    "free_port",
+]
 
 READY_TIMEOUT_S = 15.0
 INITDB_TIMEOUT_S = 120.0
@@ -51,6 +57,12 @@ _PORT_IN_USE = "already in use"
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server did not start; the message ends with its log tail."""
+
+
+# The largest message of the stacks gpusched ships (`gpusched up`, compose, the
+# Kubernetes manifests): admission's inventory.loaded is ~105 bytes a node, over NATS's
+# default 1 MiB past ~10,000 nodes; 8 MiB is the most NATS advises.
+STACK_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -272,14 +284,20 @@ class EmbeddedNats(_ChildServer):
         monitor_port: int | None = None,
         auth_config: Path | None = None,
         tls: ServerTls | None = None,
+        max_payload: int | None = None,
     ) -> None:
         """`auth_config`: a configuration fragment the server includes (natsauth's
-        auth.conf: operator mode, every client authenticated); None: no auth."""
+        auth.conf: operator mode, every client authenticated); None: no auth.
+        `max_payload`: the largest message in bytes (None: the server's 1 MiB; NATS
+        advises at most 8 MiB, ``STACK_MAX_PAYLOAD``)."""
         super().__init__(data_dir, port)
+        if max_payload is not None and not 0 < max_payload <= STACK_MAX_PAYLOAD:
+            raise ValueError(f"max_payload must be within 1..{STACK_MAX_PAYLOAD} bytes")
         self._requested_monitor_port = monitor_port
         self._monitor_port = monitor_port
         self._auth_config = None if auth_config is None else auth_config.resolve()
         self._tls = tls
+        self._max_payload = max_payload
 
     @property
     def url(self) -> str:
@@ -336,11 +354,16 @@ class EmbeddedNats(_ChildServer):
             # A stable name: JetStream state is tied to the server that wrote it.
             "--server_name", "gpusched-embedded",
         ]  # fmt: skip
+        lines = []
+        if self._max_payload is not None:
+            lines.append(f"max_payload: {self._max_payload}")
         if self._auth_config is not None:
-            config = self.data_dir / "nats.conf"
             # nats-server resolves an include relative to the including file.
             relative = os.path.relpath(self._auth_config, self.data_dir)
-            config.write_text(f"include {json.dumps(relative)}\n")
+            lines.append(f"include {json.dumps(relative)}")
+        if lines:
+            config = self.data_dir / "nats.conf"
+            config.write_text("\n".join(lines) + "\n")
             argv += ["--config", str(config)]
         if self._tls is not None:
             argv += ["--tls", "--tlscert", str(self._tls.cert_file)]

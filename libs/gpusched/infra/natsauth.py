@@ -16,6 +16,11 @@ is a check in application code. The trust chain:
   scope lives in the account JWT, so even a stolen issuer key cannot mint anything
   wider than one job or one node.
 - the CLIENTS account key signs team and operator users (`gpusched auth issue`).
+- a job, a node, a team or an operator publishes at most ``CLIENT_MAX_PAYLOAD`` (1 MiB,
+  NATS's default) in one message, in the job and node scopes and the CLIENTS account;
+  the services may send what the server takes (8 MiB in the stacks gpusched ships, for
+  admission's inventory of a large cluster). A client over its limit is cut off by the
+  server, so the SDK and the CLI refuse such a message before sending it.
 
 The bundle lives in a directory (`<data_dir>/auth` for the embedded stack):
   keys/      seeds (mode 0600): operator, accounts, job-issuer.nk, node-issuer.nk
@@ -44,6 +49,7 @@ from gpusched.contracts.permissions import INBOX_ROOT, inbox_prefix
 from gpusched.contracts.subjects import Subjects, check_token, node_token
 
 __all__ = [
+    "CLIENT_MAX_PAYLOAD",
     "INBOX_ROOT",
     "AuthBundle",
     "AuthError",
@@ -53,10 +59,24 @@ __all__ = [
     "creds_text",
     "inbox_prefix",
     "job_user_name",
+    "message_size",
     "node_user_name",
 ]
 
 UNLIMITED = -1
+# The most a job, a node, a team or an operator may publish in one message.
+CLIENT_MAX_PAYLOAD = 1 << 20
+
+
+def message_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """The bytes a message counts against a max_payload: its data and its headers as
+    NATS writes them (``NATS/1.0``, one ``key: value`` line each, a blank line)."""
+    if not headers:
+        return len(data)
+    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+    return len(data) + len(f"NATS/1.0\r\n{lines}\r\n".encode())
+
+
 OPERATOR_NAME = "gpusched"
 SERVICE_ACCOUNT = "GPUSCHED"
 CLIENTS_ACCOUNT = "CLIENTS"
@@ -256,7 +276,7 @@ def _scope(role: str, key: nkeys.KeyPair, permissions: Permissions) -> dict[str,
             **permissions.claims(),
             "subs": UNLIMITED,
             "data": UNLIMITED,
-            "payload": UNLIMITED,
+            "payload": CLIENT_MAX_PAYLOAD,
         },
     }
 
@@ -464,7 +484,7 @@ class AuthBundle:
                 "nats": {
                     "type": "account",
                     "version": 2,
-                    "limits": limits,
+                    "limits": {**limits, "payload": CLIENT_MAX_PAYLOAD},
                     "imports": [
                         {
                             "name": "api",

@@ -60,7 +60,7 @@ from gpusched.contracts.messages import CheckpointKind, StageName, T
 from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
 from gpusched.infra.errors import is_outage
-from gpusched.infra.natsauth import AuthError, connect_options
+from gpusched.infra.natsauth import CLIENT_MAX_PAYLOAD, AuthError, connect_options
 from gpusched.infra.tls import server_name
 from gpusched.infra.watchdog import FLUSH_TIMEOUT_S, ConnectionWatchdog
 from gpusched.sdk.checkpoints import SavedCheckpoint
@@ -267,6 +267,7 @@ class AsyncJobClient:
                 name=f"job {self.job_id}",
                 capacity=self._buffer_capacity,
                 wait_s=self._publish_wait_s,
+                max_payload=CLIENT_MAX_PAYLOAD,
             )
             self._listening_since = datetime.now(UTC)
             if self._owns_connection:

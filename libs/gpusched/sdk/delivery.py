@@ -14,8 +14,10 @@ confirmation, completion, a workload that stopped) are never dropped. A droppabl
 may also carry a maximum age: it is dropped instead of sent once older than that.
 
 Only the link holds events back. An event that fails for a reason of its own (larger
-than the server's max_payload, refused by JetStream three times) is logged as an error,
-counted in `dropped` and given up, so the events behind it still go, in order.
+than the server's max_payload or than the sender may publish, refused by JetStream
+three times) is logged as an error, counted in `dropped` and given up, so the events
+behind it still go, in order. One larger than the sender may publish is not sent at
+all: the server would cut the connection of a client that sent it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from gpusched.infra.errors import is_outage
+from gpusched.infra.natsauth import message_size
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +99,13 @@ class EventBuffer:
         capacity: int = DEFAULT_CAPACITY,
         publish_timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S,
         wait_s: float = DEFAULT_WAIT_S,
+        max_payload: int | None = None,
     ) -> None:
+        """`max_payload`: the most this sender's credentials may publish in one message
+        (a job's: ``natsauth.CLIENT_MAX_PAYLOAD``); None: what the server takes."""
         if capacity < 1:
             raise ValueError("an event buffer needs room for at least one event")
+        self._max_payload = max_payload
         self._nc = nc
         self._js = js
         self._name = name
@@ -143,6 +150,17 @@ class EventBuffer:
         """Queue `item` without waiting (False: the buffer is closed, it is not sent)."""
         if self._closed:
             log.warning("%s: closed; %s is not sent", self._name, item.message_type)
+            return False
+        size = message_size(item.data, {"Nats-Msg-Id": item.msg_id, **item.headers})
+        if self._max_payload is not None and size > self._max_payload:
+            log.error(
+                "%s: %s is %d bytes, more than this sender may publish (%d); giving it up",
+                self._name,
+                item.message_type,
+                size,
+                self._max_payload,
+            )
+            self._give_up(item)
             return False
         self._ensure_running()
         item.queued_at = asyncio.get_running_loop().time()
