@@ -1,22 +1,32 @@
 """A cluster of 10,000 nodes on the real NATS and PostgreSQL: admission's
 inventory.loaded (every node, over NATS's default 1 MiB) goes out on a server set up as
-the stacks gpusched ships (8 MiB), instead of being parked."""
+the stacks gpusched ships (8 MiB), instead of being parked, and the services that
+project it (ingest's pool membership, preemption's NVLink islands) apply all of it."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 
 import nats
 import pytest
 from tests.support.admission import SCHEMA, start_admission, with_inventory
 from tests.support.identity import harness_options
-from tests.support.waiting import stream_messages
+from tests.support.waiting import eventually, stream_messages
 
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.contracts.subjects import Subjects
+from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.natsauth import CLIENT_MAX_PAYLOAD
+from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
+from gpusched.ingest import app as ingest_app
+from gpusched.preemption import app as preemption_app
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,7 +44,27 @@ nodes:
 """
 
 
-async def test_admission_announces_an_inventory_of_10000_nodes_in_one_event(
+@asynccontextmanager
+async def service(app: ModuleType, settings: Settings) -> AsyncIterator[ServiceRuntime]:
+    runtime = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
+    await runtime.start()
+    await app.build(runtime)
+    task = asyncio.create_task(runtime.run())
+    try:
+        yield runtime
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def count(runtime: ServiceRuntime, table: str) -> int:
+    async with runtime.uow() as uow:
+        row = await uow.fetchrow(f"SELECT count(*) AS n FROM {runtime.schema}.{table}")
+    assert row is not None
+    return int(row["n"])
+
+
+async def test_an_inventory_of_10000_nodes_goes_out_in_one_event_and_is_applied(
     settings: Settings, tmp_path: Path
 ) -> None:
     assert settings.nats_url is not None
@@ -42,7 +72,8 @@ async def test_admission_announces_an_inventory_of_10000_nodes_in_one_event(
     if observer.max_payload <= CLIENT_MAX_PAYLOAD:
         await observer.close()
         pytest.skip("the external NATS of this run takes no more than NATS's default")
-    admission = await start_admission(with_inventory(settings, tmp_path, INVENTORY))
+    configured = with_inventory(settings, tmp_path, INVENTORY)
+    admission = await start_admission(configured)
     try:
         s = Subjects(settings.subject_prefix)
         [msg] = await stream_messages(
@@ -55,6 +86,21 @@ async def test_admission_announces_an_inventory_of_10000_nodes_in_one_event(
         async with admission.rt.uow() as uow:
             row = await uow.fetchrow(f"SELECT count(*) AS n FROM {SCHEMA}.outbox_parked")
         assert row is not None and row["n"] == 0
+
+        began = time.monotonic()
+        async with (
+            service(ingest_app, configured) as ingest,
+            service(preemption_app, configured) as preemption,
+        ):
+
+            async def applied() -> bool:
+                return (
+                    await count(ingest, "nodes") == NODES
+                    and await count(preemption, "gpu_islands") == NODES * 8
+                )
+
+            assert await eventually(applied, within=180)
+        print(f"ingest and preemption applied {NODES} nodes in {time.monotonic() - began:.1f} s")
     finally:
         await admission.stop()
         await observer.close()

@@ -429,16 +429,30 @@ async def mark_withdrawn(uow: UnitOfWork, request_ids: Sequence[str], at: dateti
 
 
 async def replace_islands(uow: UnitOfWork, nodes: Iterable[tuple[str, list[list[int]]]]) -> None:
-    """The islands of the listed nodes, as admission's inventory states them."""
+    """The islands of the listed nodes, as admission's inventory states them: two
+    statements whatever the number of nodes (an inventory of 10,000 nodes is 80,000
+    rows)."""
+    names: list[str] = []
+    rows: tuple[list[str], list[int], list[str]] = ([], [], [])
     for node, groups in nodes:
-        await uow.execute(f"DELETE FROM {uow.schema}.gpu_islands WHERE node = :n", {"n": node})
+        names.append(node)
         for number, group in enumerate(groups):
             for index in group:
-                await uow.execute(
-                    f"INSERT INTO {uow.schema}.gpu_islands (node, gpu_index, island) "
-                    "VALUES (:n, :i, :island)",
-                    {"n": node, "i": index, "island": f"{node}/{number}"},
-                )
+                rows[0].append(node)
+                rows[1].append(index)
+                rows[2].append(f"{node}/{number}")
+    if not names:
+        return
+    await uow.execute(
+        f"DELETE FROM {uow.schema}.gpu_islands WHERE node = ANY(CAST(:nodes AS text[]))",
+        {"nodes": names},
+    )
+    if rows[0]:
+        await uow.execute(
+            f"INSERT INTO {uow.schema}.gpu_islands (node, gpu_index, island) "
+            "SELECT * FROM unnest(CAST(:n AS text[]), CAST(:i AS int[]), CAST(:island AS text[]))",
+            {"n": rows[0], "i": rows[1], "island": rows[2]},
+        )
 
 
 async def islands(uow: UnitOfWork) -> dict[GpuRef, str]:
