@@ -95,3 +95,10 @@ def test_the_longest_lifetime_is_minted_with_its_expiry(tmp_path: Path) -> None:
     token = creds.split("-----BEGIN NATS USER JWT-----\n")[1].split("\n")[0]
     claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
     assert claims["exp"] - claims["iat"] == int(natsauth.MAX_TTL_S)
+
+
+def test_a_messages_size_counts_its_headers_as_nats_writes_them() -> None:
+    assert natsauth.message_size(b"abc") == 3
+    assert natsauth.message_size(b"abc", {}) == 3
+    # "NATS/1.0\r\n" + "Nats-Msg-Id: e1\r\n" + "\r\n" = 10 + 17 + 2
+    assert natsauth.message_size(b"abc", {"Nats-Msg-Id": "e1"}) == 3 + 29

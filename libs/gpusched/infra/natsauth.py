@@ -66,17 +66,6 @@ __all__ = [
 UNLIMITED = -1
 # The most a job, a node, a team or an operator may publish in one message.
 CLIENT_MAX_PAYLOAD = 1 << 20
-
-
-def message_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
-    """The bytes a message counts against a max_payload: its data and its headers as
-    NATS writes them (``NATS/1.0``, one ``key: value`` line each, a blank line)."""
-    if not headers:
-        return len(data)
-    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
-    return len(data) + len(f"NATS/1.0\r\n{lines}\r\n".encode())
-
-
 OPERATOR_NAME = "gpusched"
 SERVICE_ACCOUNT = "GPUSCHED"
 CLIENTS_ACCOUNT = "CLIENTS"
@@ -88,6 +77,15 @@ NODE_ROLE = "node"
 
 # The longest lifetime credentials may be minted with (10 years).
 MAX_TTL_S = 10 * 365 * 86400.0
+
+
+def message_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """The bytes a message counts against a max_payload: its data and its headers as
+    NATS writes them (``NATS/1.0``, one ``key: value`` line each, a blank line)."""
+    if not headers:
+        return len(data)
+    lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+    return len(data) + len(f"NATS/1.0\r\n{lines}\r\n".encode())
 
 
 class AuthError(RuntimeError):
