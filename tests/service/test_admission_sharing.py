@@ -25,6 +25,7 @@ from gpusched.agent.app import start_agent
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import MigConfigured, StopReason, T
 from gpusched.domain.inventory import GpuRef
+from gpusched.domain.ledger import GpuStatus
 from gpusched.domain.sharing import ModeSchedule
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import AgentSettings, Settings
@@ -118,6 +119,33 @@ def granted_subject(c: Client) -> str:
 
 
 # --- fractional GPUs ------------------------------------------------------------------
+
+
+async def test_a_gpu_of_training_fractions_goes_to_inference_once_both_tenants_are_evicted(
+    admission: Admission, client: SharingClient
+) -> None:
+    first = await client.running(await client.submitted_share({"count": 1, "milli": 400}))
+    second = await client.running(await client.submitted_share({"count": 1, "milli": 500}))
+    assert first["allocated"] == second["allocated"]
+    held = first["allocated"][0]
+    ref = GpuRef(held["node"], held["index"])
+
+    await client.reserve("decision-1", [first["allocation_id"], second["allocation_id"]])
+
+    [reserved] = await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+    assert [(g["node"], g["index"]) for g in reserved.data["gpus"]] == [(ref.node, ref.index)]
+    assert reserved.data["pending"] == reserved.data["gpus"]  # both tenants still train
+    for job, saga in ((first, "saga-1"), (second, "saga-2")):
+        await client.stopped(job, StopReason.EVICTED, saga)
+        await client.eviction_completed(job, saga)
+        await client.job_in(job["job_id"], "queued")
+        slot = (await admission.ledger()).gpu(ref)
+        if job is first:  # the other tenant holds it yet, and nobody joins it
+            assert (slot.status, slot.reserved_for) == (GpuStatus.SHARED, "res-1")
+    assert (slot.status, slot.reserved_for) == (GpuStatus.RESERVED_INFERENCE, "res-1")
+    audited = await client.at_least(client.s.audit("allocation.released"), 2)
+    kept = {e.data["entity"]: e.data["details"]["kept_for_inference"] for e in audited}
+    assert kept == {first["job_id"]: [], second["job_id"]: [str(ref)]}
 
 
 async def test_a_fractional_job_is_granted_its_share_and_a_second_tenant_lands_on_its_gpu(

@@ -25,6 +25,7 @@ from gpusched.contracts.messages import (
     EvictionCompleted,
     EvictionRequested,
     GpuRef,
+    GpuShare,
     GpusReserved,
     InventoryLoaded,
     InventoryNode,
@@ -244,6 +245,35 @@ async def test_a_hot_inference_pool_evicts_p2_first_and_waits_while_the_decision
     await applied(preemption, second)
     assert await scalar(preemption, "SELECT count(*) FROM {s}.decisions") == 1
     assert await scalar(preemption, "SELECT count(*) FROM {s}.evictions") == 1
+
+
+async def test_p2_fractions_sharing_a_gpu_are_evicted_together_before_a_p1_whole_gpu_job(
+    preemption: ServiceRuntime,
+) -> None:
+    await grant(preemption, "a-p1", P1, gpus=8)
+    for name in ("a-f1", "a-f2"):
+        share = AllocationGranted(
+            allocation_id=name, job_id=f"job-{name}", team="research", kind=JobKind.TRAINING,
+            priority_class=P2, pool="shared", gpus=refs("node-frac", 1),
+            granted_at=utcnow() - timedelta(hours=1), attempt=1, checkpointable=True,
+            share=GpuShare(milli=500, memory_mib=40960),
+        )  # fmt: skip
+        await event(preemption, "admission", T.ALLOCATION_GRANTED, share)
+    await allocations_known(preemption, 3)
+
+    # 0.85 on 4 GPUs: ceil(0.85 * 4 / 0.7) - 4 = 1 GPU, none idle.
+    await send_snapshot(preemption, snapshot(0.85, 0.9, shared_gpus=9))
+
+    [reserve] = await reserves(preemption, 1)
+    assert (sorted(reserve.allocation_ids), reserve.free_gpus) == (["a-f1", "a-f2"], 0)
+    requests = await evictions(preemption, 2)
+    assert sorted((r.allocation_id, r.priority_class) for r in requests) == [
+        ("a-f1", P2), ("a-f2", P2)
+    ]  # fmt: skip
+    [expand] = await audits(preemption, "preempt.expand", 1)
+    ranked = {c["allocation_id"]: c["reason"] for c in expand["details"]["candidates"]["ranked"]}
+    assert "one of 2 tenants of GPU node-frac/0 evicted together" in ranked["a-f1"]
+    assert expand["details"]["candidates"]["not_needed"]["allocation_ids"] == ["a-p1"]
 
 
 async def test_an_aborted_eviction_is_replaced_by_another_victim_then_the_pool_shrinks_back(

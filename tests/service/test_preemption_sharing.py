@@ -1,5 +1,7 @@
 """The preemption service's projection of allocations with a share of one GPU (on the real
-PostgreSQL): a shared GPU counts once as occupied and is never a victim."""
+PostgreSQL): a shared GPU counts once as occupied; its training fractions are victim
+candidates that know how many tenants the GPU has (the victim choice takes them
+together); a MIG slice is none, and still counts as its GPU's tenant."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def granted(allocation_id: str, index: int, share: GpuShare | None) -> Allocatio
     )
 
 
-async def test_fractional_tenants_count_their_gpu_once_and_are_never_victims(
+async def test_fractional_tenants_count_their_gpu_once_and_are_candidates_together(
     settings: Settings,
 ) -> None:
     rt = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
@@ -46,10 +48,17 @@ async def test_fractional_tenants_count_their_gpu_once_and_are_never_victims(
             await store.add_allocation(uow, granted("whole", 0, None))
             for name in ("frac-a", "frac-b"):
                 await store.add_allocation(uow, granted(name, 1, GpuShare(milli=400, memory_mib=1)))
+            sliced = GpuShare(milli=285, memory_mib=10240, mig_profile="2g.20gb", mig_slice=0)
+            await store.add_allocation(uow, granted("slice", 2, sliced))
+            await store.add_allocation(uow, granted("frac-c", 2, GpuShare(milli=100, memory_mib=1)))
             await uow.commit()
         async with rt.uow() as uow:
-            assert await store.shared_allocated_gpus(uow) == 2  # GPU 0 whole, GPU 1 shared
-            victims = [c.allocation_id for c in (await store.candidates(uow)).usable]
-        assert victims == ["whole"]
+            assert await store.shared_allocated_gpus(uow) == 3  # GPU 0 whole, 1 and 2 shared
+            found = {c.allocation_id: c for c in (await store.candidates(uow)).usable}
     finally:
         await rt.close()
+    assert sorted(found) == ["frac-a", "frac-b", "frac-c", "whole"]
+    assert (found["whole"].share, found["whole"].tenants) == (1.0, 1)
+    assert (found["frac-a"].share, found["frac-a"].tenants) == (0.4, 2)
+    # The MIG slice is no candidate, but holds GPU 2: frac-c alone cannot free it.
+    assert found["frac-c"].tenants == 2

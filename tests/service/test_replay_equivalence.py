@@ -3,11 +3,13 @@ checkpoint on the real NATS and PostgreSQL, and through the replay engine, gives
 placements, the same victims in the same order and the same saga outcomes.
 
 The scenario, on one inference node (4 GPUs) and three shared nodes (4 GPUs each):
-1. `offline` (p2-offline, 4 GPUs), `normal` (p1-normal, 4), `urgent-1` (p0-urgent, 1) and
-   `urgent-2` (p0-urgent, 2) are submitted one after the other (one pass each);
-2. inference demand fills its 4 GPUs (utilization 1.0): the controller lends 2 more,
-   the one idle shared GPU and a victim's: the p2 job (p0 is never a victim); it
-   confirms a snapshot checkpoint, the saga evicts it (completed) and it is requeued;
+1. `offline` (p2-offline, 4 GPUs), `normal` (p1-normal, 4), `urgent-1` (p0-urgent, 1),
+   `urgent-2` (p0-urgent, 2), and `frac-a` and `frac-b` (p2-offline, half a GPU each, on
+   the last idle GPU) are submitted one after the other (one pass each);
+2. inference demand fills its 4 GPUs (utilization 1.0): the controller asks for 2 more,
+   none idle: the two fractions' GPU (one unit, its tenants together, least lost work),
+   then the 4-GPU p2 job (p0 is never a victim). Each confirms a snapshot checkpoint,
+   the sagas evict them (completed) and they are requeued;
 3. demand grows to 8 GPUs' worth: more GPUs are asked; the only candidate left is the p1
    job, which never confirms a persisted checkpoint: its class aborts at the deadline,
    and no other victim is left (a shortfall).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -77,21 +80,29 @@ nodes:
 CONTROLLER = {"cooldown_s": 0.0, "expand_hold_s": 0.0, "shrink_hold_s": 0.0,
               "min_lend_s": 0.0, "min_runtime_s": 0.0, "decide_interval_s": 0.2}  # fmt: skip
 GRACE_S = 3.0
-JOBS = (
-    ("offline", PriorityClass.P2_OFFLINE, 4),
-    ("normal", PriorityClass.P1_NORMAL, 4),
-    ("urgent-1", PriorityClass.P0_URGENT, 1),
-    ("urgent-2", PriorityClass.P0_URGENT, 2),
+JOBS = (  # name, class, GPUs, per GPU in 1/1000
+    ("offline", PriorityClass.P2_OFFLINE, 4, 1000),
+    ("normal", PriorityClass.P1_NORMAL, 4, 1000),
+    ("urgent-1", PriorityClass.P0_URGENT, 1, 1000),
+    ("urgent-2", PriorityClass.P0_URGENT, 2, 1000),
+    ("frac-a", PriorityClass.P2_OFFLINE, 1, 500),
+    ("frac-b", PriorityClass.P2_OFFLINE, 1, 500),
 )
 PASS_S = 30.0
 PHASES = (4.0, 8.0)  # inference demand, in GPUs of work
 
 
 def decisions_of(log: list[tuple[str, str, str]]) -> dict[str, object]:
-    """What both sides are compared on, from (what, job name, detail) in order."""
+    """What both sides are compared on, from (what, job name, detail) in order. The
+    tenants of one GPU are victims together, in the order of their allocation ids, which
+    differ between the two sides: within a unit (one placement) they are compared by
+    name."""
+    placed = {job: detail for what, job, detail in log if what == "placed"}
+    victims = [job for what, job, _ in log if what == "victim"]
+    units = itertools.groupby(victims, key=lambda job: placed.get(job, job))
     return {
-        "placed": {job: detail for what, job, detail in log if what == "placed"},
-        "victims": [job for what, job, _ in log if what == "victim"],
+        "placed": placed,
+        "victims": [job for _, unit in units for job in sorted(unit)],
         "sagas": {job: detail for what, job, detail in log if what == "saga"},
     }
 
@@ -105,11 +116,11 @@ def replayed() -> dict[str, object]:
     jobs = tuple(
         TrainingJob(
             f"job-{name}", name, "lab", priority, arrival_s=i * PASS_S, work_s=86_400.0, gpus=gpus,
-            milli=1000, snapshot_s=1.0,
+            milli=milli, snapshot_s=1.0,
             # The p1 job needs far longer than the grace to persist: its eviction aborts.
             persist_s=2.0 if priority is PriorityClass.P2_OFFLINE else 600.0, source="csv",
         )
-        for i, (name, priority, gpus) in enumerate(JOBS)
+        for i, (name, priority, gpus, milli) in enumerate(JOBS)
     )  # fmt: skip
     # Nothing while the jobs are placed (3 minutes), then each phase for 3 minutes.
     demand = DemandCurve.of([0.0] * 3 + [p for p in PHASES for _ in range(3)], step_s=60.0)
@@ -134,10 +145,14 @@ def test_the_replay_alone_makes_the_scenario_s_decisions() -> None:
     """The expectation both sides must meet, stated once."""
     got = replayed()
 
-    assert got["victims"] == ["offline", "normal"]
-    assert got["sagas"] == {"offline": "evicted", "normal": "deadline_aborted"}
+    assert got["victims"] == ["frac-a", "frac-b", "offline", "normal"]
+    assert got["sagas"] == {
+        "frac-a": "evicted", "frac-b": "evicted", "offline": "evicted",
+        "normal": "deadline_aborted",
+    }  # fmt: skip
     placed = got["placed"]
-    assert isinstance(placed, dict) and set(placed) == {name for name, _, _ in JOBS}
+    assert isinstance(placed, dict) and set(placed) == {job[0] for job in JOBS}
+    assert placed["frac-a"] == placed["frac-b"]  # one GPU, shared
 
 
 # --- the services ---------------------------------------------------------------------------
@@ -209,8 +224,8 @@ async def test_the_services_and_the_replay_make_the_same_decisions(
         )  # fmt: skip
 
     async def asked(e: Envelope) -> None:
-        # The jobs: the p2 one writes and confirms a snapshot; the p1 one never persists.
-        if e.type != T.CHECKPOINT_REQUESTED or names.get(e.data["job_id"]) != "offline":
+        # The jobs: the p2 ones write and confirm a snapshot; the p1 one never persists.
+        if e.type != T.CHECKPOINT_REQUESTED or names.get(e.data["job_id"]) == "normal":
             return
         job_id = e.data["job_id"]
         path = tmp_path / f"{job_id}.ckpt"
@@ -238,9 +253,10 @@ async def test_the_services_and_the_replay_make_the_same_decisions(
         running(admission_settings, preemption_app),
         running(admission_settings, checkpoint_app),
     ):
-        for name, priority, gpus in JOBS:
+        for name, priority, gpus, milli in JOBS:
+            ask: dict[str, int] = {"count": gpus} | ({"milli": milli} if milli < 1000 else {})
             job_id = await client.submitted(
-                name=name, team="lab", priority_class=priority.value, gpus={"count": gpus}
+                name=name, team="lab", priority_class=priority.value, gpus=ask
             )
             names[job_id] = name
             await client.job_in(job_id, "running")
@@ -265,5 +281,5 @@ async def test_the_services_and_the_replay_make_the_same_decisions(
     # With no cooldown the controller asks for the p1 job again after each abort, as long
     # as the snapshots come; the replay's horizon ends after the first: compare up to it.
     assert isinstance(services["victims"], list)
-    services["victims"] = services["victims"][:2]
+    services["victims"] = services["victims"][:4]
     assert services == replayed(), json.dumps(log)

@@ -181,6 +181,101 @@ def candidate(
     )
 
 
+def tenant(
+    allocation_id: str,
+    gpu: GpuRef,
+    tenants: int,
+    priority_class: PriorityClass = PriorityClass.P2_OFFLINE,
+    *,
+    share: float = 0.25,
+    started_minutes_ago: float = 120,
+    checkpoint_minutes_ago: float = 10,
+) -> VictimCandidate:
+    """A fraction of ``gpu``, one of its ``tenants``."""
+    return replace(
+        candidate(
+            allocation_id,
+            priority_class,
+            1,
+            started_minutes_ago=started_minutes_ago,
+            checkpoint_minutes_ago=checkpoint_minutes_ago,
+        ),
+        gpu_refs=(gpu,),
+        share=share,
+        tenants=tenants,
+    )
+
+
+SHARED_GPU = GpuRef("node-shared", 0)
+
+
+def test_offline_fractions_sharing_a_gpu_go_together_before_a_normal_whole_gpu_job() -> None:
+    candidates = [
+        candidate("normal", PriorityClass.P1_NORMAL, gpus=8, checkpoint_minutes_ago=1),
+        tenant("f1", SHARED_GPU, 3),
+        tenant("f2", SHARED_GPU, 3),
+        tenant("f3", SHARED_GPU, 3, checkpoint_minutes_ago=60),
+    ]
+
+    choice = choose_victims(candidates, need=1, now=NOW)
+
+    assert choice.allocation_ids == ("f1", "f2", "f3")
+    assert (choice.freed, choice.shortfall) == (1, 0)
+    reasons = dict(choice.reasons)
+    assert "one of 3 tenants of GPU node-shared/0 evicted together" in reasons["f2"]
+    assert reasons["normal"].startswith("skipped: need of 1 GPUs already met")
+
+
+def test_a_gpu_whose_tenants_cannot_all_be_evicted_frees_nothing() -> None:
+    other = GpuRef("node-shared", 1)
+    candidates = [
+        candidate("normal", PriorityClass.P1_NORMAL, gpus=2),
+        # Two listed of three (the third is being evicted, or is never a victim).
+        tenant("f1", SHARED_GPU, 3),
+        tenant("f2", SHARED_GPU, 3),
+        # One tenant inside its minimum runtime holds the GPU for both.
+        tenant("g1", other, 2),
+        tenant("g2", other, 2, started_minutes_ago=5),
+    ]
+
+    choice = choose_victims(candidates, need=1, now=NOW, min_runtime_s=1800)
+
+    assert choice.allocation_ids == ("normal",)
+    reasons = dict(choice.reasons)
+    assert "1 tenant(s) that are not candidates" in reasons["f1"]
+    assert reasons["g2"].startswith("skipped: inside its min runtime")
+    assert reasons["g1"].startswith("skipped: shares GPU node-shared/1 with g2, which is inside")
+
+
+def test_a_unit_ranks_by_its_tenants_lost_work_summed_and_its_least_preemptible_class() -> None:
+    cheap, costly, mixed = (GpuRef("node-shared", i) for i in range(3))
+    candidates = [
+        # Two quarter-GPU tenants, 60 minutes since their checkpoints: 30 GPU-minutes.
+        tenant("a1", costly, 2, checkpoint_minutes_ago=60),
+        tenant("a2", costly, 2, checkpoint_minutes_ago=60),
+        # Two quarter-GPU tenants, 10 minutes each: 5 GPU-minutes.
+        tenant("b1", cheap, 2),
+        tenant("b2", cheap, 2),
+        # Cheaper still, but one p1 tenant makes the unit p1.
+        tenant("c1", mixed, 2, checkpoint_minutes_ago=1),
+        tenant("c2", mixed, 2, PriorityClass.P1_NORMAL, checkpoint_minutes_ago=1),
+    ]
+
+    choice = choose_victims(candidates, need=3, now=NOW)
+
+    assert choice.allocation_ids == ("b1", "b2", "a1", "a2", "c1", "c2")
+    assert choice.victims[0].lost_work_gpu_seconds(NOW) == pytest.approx(0.25 * 600)
+
+
+def test_the_rate_limit_counts_every_tenant_of_a_unit() -> None:
+    candidates = [tenant("f1", SHARED_GPU, 2), tenant("f2", SHARED_GPU, 2)]
+
+    choice = choose_victims(candidates, need=1, now=NOW, max_victims=1)
+
+    assert choice.victims == ()
+    assert (choice.deferred, choice.shortfall) == (1, 0)
+
+
 def test_offline_jobs_are_evicted_before_normal_ones_whatever_their_lost_work() -> None:
     candidates = [
         candidate("normal", PriorityClass.P1_NORMAL, checkpoint_minutes_ago=1),

@@ -4,6 +4,7 @@ workloads."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -103,6 +104,46 @@ def test_a_gpu_leaves_sharing_when_its_last_tenant_ends() -> None:
     ledger.release("a-j2", T0)
     assert ledger.gpu(GpuRef("n0", 0)).status is GpuStatus.FREE
     assert ledger.place(PlacementRequest("whole", JobKind.TRAINING, 1)) is not None
+
+
+def test_a_gpu_of_training_fractions_is_lent_pending_and_goes_to_inference_after_the_last() -> None:
+    ledger = ledger_of(node("n0", Pool.SHARED, 2))
+    ref = grant(ledger, fraction("j1", 400)).gpus[0]
+    assert grant(ledger, fraction("j2", 500)).gpus[0] == ref
+
+    reserved = ledger.reserve_for_inference("r1", [ref])
+
+    assert reserved.pending == (ref,)  # its tenants still hold it
+    assert ledger.gpu(ref).status is GpuStatus.SHARED
+    # No new tenant joins a GPU on its way to inference.
+    assert grant(ledger, fraction("j3", 100)).gpus[0] != ref
+    first = ledger.release("a-j1", T0 + HOUR)
+    assert first.kept_for_inference == ()  # j2 still trains there
+    assert ledger.gpu(ref).status is GpuStatus.SHARED
+    # Restored from its store (allocations, then reservations), it is the same ledger.
+    inventory = Inventory((node("n0", Pool.SHARED, 2),))
+    restored = Ledger.restore(inventory, ledger.allocations.values(), {ref: "r1"})
+    assert [(g.status, g.reserved_for) for g in restored.gpus] == [
+        (g.status, g.reserved_for) for g in ledger.gpus
+    ]
+    last = ledger.release("a-j2", T0 + HOUR)
+    assert last.kept_for_inference == (ref,)
+    assert ledger.gpu(ref).status is GpuStatus.RESERVED_INFERENCE
+    assert ledger.gpu(ref).reserved_for == "r1"
+
+
+def test_a_gpu_with_a_mig_layout_or_an_inference_tenant_is_not_lent() -> None:
+    ledger = ledger_of(node("n0", Pool.SHARED, 2))
+    # Inference asked for the shared pool itself (as a lent GPU's replicas are not).
+    serve = replace(fraction("serve", 300, kind=JobKind.INFERENCE), pools=(Pool.SHARED,))
+    served = grant(ledger, serve).gpus[0]
+    with pytest.raises(GpuNotEligible, match="inference tenant"):
+        ledger.reserve_for_inference("r1", [served])
+    sliced = grant(ledger, replace(mig_slice("replica", 15), pools=(Pool.SHARED,))).gpus[0]
+    assert sliced != served
+    with pytest.raises(GpuNotEligible, match="MIG layout"):
+        ledger.reserve_for_inference("r1", [sliced])
+    assert ledger.lent_gpus() == ()
 
 
 def test_a_training_tenant_refuses_memory_overcommit_that_inference_accepts() -> None:

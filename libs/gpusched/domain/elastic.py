@@ -215,7 +215,9 @@ def decide_shrink(
 
 @dataclass(frozen=True, slots=True)
 class VictimCandidate:
-    """One live allocation, evicted whole (a gang) or not at all."""
+    """One live allocation, evicted whole (a gang) or not at all. A fraction of one GPU
+    (``share`` below 1) frees its GPU only with every other tenant of it: the victim
+    choice takes the ``tenants`` of a GPU together, or none of them."""
 
     allocation_id: str
     job_id: str
@@ -230,6 +232,10 @@ class VictimCandidate:
     pool: Pool = field(kw_only=True)
     # Over the team's guaranteed quota: reclaimed before guaranteed capacity (DESIGN §7).
     borrowed: bool = field(default=False, kw_only=True)
+    # A fraction of its one GPU (0 < share < 1), and how many allocations share that GPU,
+    # itself included: all of them are victims together or none is. 1.0: whole GPUs.
+    share: float = field(default=1.0, kw_only=True)
+    tenants: int = field(default=1, kw_only=True)
     # Epoch seconds of started_at and of lost_work_since(): a victim choice ranks
     # thousands of candidates, and float arithmetic is what keeps it within budget.
     started_ts: float = field(init=False, repr=False, compare=False)
@@ -241,8 +247,18 @@ class VictimCandidate:
                 f"allocation {self.allocation_id}: gpus={self.gpus} but "
                 f"{len(self.gpu_refs)} GPU refs"
             )
+        if not 0 < self.share <= 1 or self.tenants < 1:
+            raise ValueError(
+                f"allocation {self.allocation_id}: share={self.share} tenants={self.tenants}"
+            )
+        if self.fraction and self.gpus != 1:
+            raise ValueError(f"allocation {self.allocation_id}: a fraction holds one GPU")
         object.__setattr__(self, "started_ts", self.started_at.timestamp())
         object.__setattr__(self, "lost_since_ts", self.lost_work_since().timestamp())
+
+    @property
+    def fraction(self) -> bool:
+        return self.share < 1 or self.tenants > 1
 
     @classmethod
     def from_allocation(
@@ -276,7 +292,8 @@ class VictimCandidate:
         return self.lost_work_at(now.timestamp())
 
     def lost_work_at(self, now_ts: float) -> float:
-        return lostwork.lost_gpu_seconds_at(self.gpus, self.lost_since_ts, now_ts)
+        lost = lostwork.lost_gpu_seconds_at(self.gpus, self.lost_since_ts, now_ts)
+        return lost * self.share if self.share < 1 else lost
 
 
 class VictimReason(NamedTuple):
@@ -363,6 +380,10 @@ def choose_victims(
     for before, after in itertools.pairwise(pool):
         if before.allocation_id == after.allocation_id:
             raise ValueError("candidates list an allocation twice")
+    now_ts = now.timestamp()
+    # The fractional tenants of one GPU are one unit, ranked as one GPU by the first of
+    # them (its "representative") and evicted together.
+    units, pool, unit_lost, unit_ineligible = _units(pool, now_ts, min_runtime_s)
     # Nodes where one allocation holds every allocated GPU: evicting it frees the node.
     # (Plain loops, few containers: a victim choice on thousands of candidates must not
     # leave garbage-collector work behind; see bench/bench_preemption.py.)
@@ -379,14 +400,25 @@ def choose_victims(
     eligible: list[VictimCandidate] = []
     ineligible_ids: list[str] = []
     ineligible_reasons: list[str] = []
-    now_ts = now.timestamp()
     for candidate in pool:
+        members = units.get(candidate.allocation_id)
+        refused = unit_ineligible.get(candidate.allocation_id)
+        if members is not None and refused is not None:
+            for member, why in zip(members, refused, strict=True):
+                ineligible_ids.append(member.allocation_id)
+                ineligible_reasons.append(why)
+            continue
         reason = _ineligibility(candidate, now_ts, min_runtime_s)
         if reason is None:
             eligible.append(candidate)
         else:
             ineligible_ids.append(candidate.allocation_id)
             ineligible_reasons.append(reason)
+    if units:
+        # A unit's tenants were listed at their representative: back to id order.
+        pairs = sorted(zip(ineligible_ids, ineligible_reasons, strict=True))
+        ineligible_ids = [allocation_id for allocation_id, _ in pairs]
+        ineligible_reasons = [reason for _, reason in pairs]
     whole: set[str] = set()
     for candidate in eligible:
         if _holds_its_nodes_alone(candidate, holders):
@@ -412,7 +444,10 @@ def choose_victims(
         )
     )
     if within_tier is least_lost_work_first:
-        eligible.sort(key=lambda c: c.lost_work_at(now_ts))
+        if unit_lost:
+            eligible.sort(key=lambda c: unit_lost.get(c.allocation_id, c.lost_work_at(now_ts)))
+        else:
+            eligible.sort(key=lambda c: c.lost_work_at(now_ts))
     else:
         eligible.sort(key=lambda c: within_tier(c, now))
     eligible.sort(key=lambda c: c.priority_class.preemption_rank * 2 + (not c.borrowed))
@@ -426,35 +461,38 @@ def choose_victims(
     not_needed: tuple[str, ...] = ()
     for rank, candidate in enumerate(eligible):
         if could_free >= need:
-            not_needed = tuple(c.allocation_id for c in eligible[rank:])
+            not_needed = tuple(
+                member.allocation_id
+                for c in eligible[rank:]
+                for member in units.get(c.allocation_id, (c,))
+            )
             break
         could_free += candidate.gpus
-        if max_victims is not None and len(victims) >= max_victims:
-            ranked.append(
-                VictimReason(
-                    candidate.allocation_id,
-                    f"skipped: eviction rate limit reached ({max_victims} more this minute)",
+        members = units.get(candidate.allocation_id, (candidate,))
+        if max_victims is not None and len(victims) + len(members) > max_victims:
+            for member in members:
+                ranked.append(
+                    VictimReason(
+                        member.allocation_id,
+                        f"skipped: eviction rate limit reached ({max_victims} more this minute)",
+                    )
                 )
-            )
             continue
-        victims.append(candidate)
+        victims.extend(members)
         freed += candidate.gpus
-        ranked.append(
-            VictimReason(
-                candidate.allocation_id,
-                _chosen(
-                    candidate,
-                    now,
-                    freed,
-                    need,
-                    ", frees whole nodes"
-                    if candidate.allocation_id in whole
-                    else ", frees whole NVLink islands"
-                    if candidate.allocation_id in islands
-                    else "",
-                ),
-            )
+        frees = (
+            ", frees whole nodes"
+            if candidate.allocation_id in whole
+            else ", frees whole NVLink islands"
+            if candidate.allocation_id in islands
+            else ""
         )
+        if members[0] is not candidate:
+            gpu = candidate.gpu_refs[0]
+            frees += f", one of {len(members)} tenants of GPU {gpu} evicted together"
+        for member in members:
+            chosen = _chosen(member, now, freed, need, frees)
+            ranked.append(VictimReason(member.allocation_id, chosen))
     return VictimChoice(
         victims=tuple(victims),
         freed=freed,
@@ -466,6 +504,72 @@ def choose_victims(
         need=need,
         deferred=max(0, min(need, could_free) - freed),
     )
+
+
+def _units(
+    pool: list[VictimCandidate], now_ts: float, min_runtime_s: float
+) -> tuple[
+    dict[str, tuple[VictimCandidate, ...]],
+    list[VictimCandidate],
+    dict[str, float],
+    dict[str, list[str]],
+]:
+    """The fractional tenants of each GPU as one unit: its representative (the first
+    tenant by allocation id, standing for one whole GPU: the least preemptible class of
+    the tenants, the youngest start, borrowed only if all are) in place of the tenants.
+    Returns the units by representative id, the pool with representatives, each unit's
+    lost work (its tenants', summed) and, for a unit that cannot be a victim, why for
+    each tenant: a tenant cannot be evicted, or the GPU has tenants not listed."""
+    if not any(candidate.fraction for candidate in pool):
+        return {}, pool, {}, {}
+    by_gpu: dict[GpuRef, list[VictimCandidate]] = {}
+    out: list[VictimCandidate] = []
+    for candidate in pool:
+        if candidate.fraction:
+            by_gpu.setdefault(candidate.gpu_refs[0], []).append(candidate)
+        else:
+            out.append(candidate)
+    units: dict[str, tuple[VictimCandidate, ...]] = {}
+    lost: dict[str, float] = {}
+    refused: dict[str, list[str]] = {}
+    for ref, members in by_gpu.items():
+        first = members[0]
+        least = max(members, key=lambda m: m.priority_class.preemption_rank)
+        youngest = max(members, key=lambda m: m.started_ts)
+        representative = VictimCandidate(
+            first.allocation_id,
+            first.job_id,
+            first.team,
+            least.priority_class,
+            1,
+            (ref,),
+            youngest.started_at,
+            None,
+            False,
+            pool=next((m.pool for m in members if m.pool is not Pool.SHARED), Pool.SHARED),
+            borrowed=all(m.borrowed for m in members),
+        )
+        units[first.allocation_id] = tuple(members)
+        lost[first.allocation_id] = sum(m.lost_work_at(now_ts) for m in members)
+        out.append(representative)
+        listed = max(m.tenants for m in members)
+        reasons = [_ineligibility(m, now_ts, min_runtime_s) for m in members]
+        if len(members) < listed:
+            refused[first.allocation_id] = [
+                f"skipped: shares GPU {ref} with {listed - len(members)} tenant(s) that are "
+                "not candidates (being evicted, or never evicted for inference)"
+            ] * len(members)
+        elif any(reasons):
+            blocker = next(
+                f"{m.allocation_id}, which is {r.removeprefix('skipped: ')}"
+                for m, r in zip(members, reasons, strict=True)
+                if r
+            )
+            refused[first.allocation_id] = [
+                r or f"skipped: shares GPU {ref} with {blocker}" for r in reasons
+            ]
+    out.sort(key=_allocation_id)
+    return units, out, lost, refused
 
 
 def _chosen(

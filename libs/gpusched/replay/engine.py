@@ -549,11 +549,20 @@ class _Engine:
         return whole + len(shares)
 
     def _candidates(self) -> tuple[VictimCandidate, ...]:
-        """Live whole-GPU allocations not being evicted (``store.candidates``)."""
+        """Live allocations not being evicted (``store.candidates``): whole GPUs, and
+        fractions with the count of their GPU's tenants (a MIG slice is none)."""
         out: list[VictimCandidate] = []
+        shared = self.ledger.shared
         for allocation_id, allocation in sorted(self.ledger.allocations.items()):
-            if allocation.share is not None or not allocation.gpus:
+            if not allocation.gpus:
                 continue
+            share, tenants = 1.0, 1
+            if allocation.share is not None:
+                if allocation.share.profile is not None:
+                    continue
+                share = min(1.0, allocation.share.milli / WHOLE_GPU_MILLI)
+                held = shared.get(allocation.gpus[0])
+                tenants = 1 if held is None else len(held.tenants)
             if allocation_id in self.saga_of or allocation_id in self.dying:
                 continue
             job = self.jobs[self.by_allocation[allocation_id]]
@@ -574,6 +583,8 @@ class _Engine:
                     True,
                     pool=allocation.pool,
                     borrowed=allocation.borrowed,
+                    share=share,
+                    tenants=tenants,
                 )
             )
         return tuple(out)

@@ -53,6 +53,8 @@ def lent_to_return(ledger: Ledger, reservation_id: str, count: int) -> tuple[Gpu
     def stage(slot: GpuSlot) -> int:
         if slot.status is GpuStatus.RESERVED_INFERENCE:
             return 0
+        if slot.status is GpuStatus.SHARED:
+            return 1  # training fractions still hold it
         assert slot.allocation_id is not None  # the only other status of a lent GPU
         holder = ledger.allocation(slot.allocation_id)
         return 1 if holder.kind is JobKind.TRAINING else 2
@@ -80,7 +82,8 @@ def to_reserve(
     chosen: list[GpuRef] = []
     unknown: list[str] = []
     not_lendable: dict[str, str] = {}
-    for allocation_id in dict.fromkeys(allocation_ids):
+    victims = dict.fromkeys(allocation_ids)
+    for allocation_id in victims:
         try:
             allocation = ledger.allocation(allocation_id)
         except UnknownAllocation:
@@ -88,17 +91,37 @@ def to_reserve(
             continue
         for ref in allocation.gpus:
             slot = ledger.gpu(ref)
+            if ref in chosen:
+                continue  # another tenant of the same GPU named it already
+            shared = (
+                _unlendable_share(ledger, ref, victims) if slot.status is GpuStatus.SHARED else None
+            )
             if slot.pool is not Pool.SHARED:
                 not_lendable[str(ref)] = f"{slot.pool} pool"
-            elif slot.status is GpuStatus.SHARED:
-                # Simplest honest rule: a GPU with fractional or MIG tenants is never lent.
-                not_lendable[str(ref)] = "shared by fractional or MIG tenants"
+            elif shared is not None:
+                not_lendable[str(ref)] = shared
             elif slot.reserved_for not in (None, reservation_id):
                 not_lendable[str(ref)] = f"already reserved for {slot.reserved_for}"
             else:
                 chosen.append(ref)
     free = free_to_lend(ledger, free_gpus, chosen)
     return ToReserve((*chosen, *free), free, tuple(unknown), not_lendable)
+
+
+def _unlendable_share(ledger: Ledger, ref: GpuRef, victims: Collection[str]) -> str | None:
+    """Why a GPU in sharing cannot go to inference with these victims (None: it can):
+    only training fractions, every one of them evicted, free it."""
+    shared = ledger.shared.get(ref)
+    if shared is None:
+        return None
+    if shared.mig:
+        return "carries a MIG layout"
+    if not all(tenant.training for tenant in shared.tenants):
+        return "shared with an inference tenant"
+    staying = [t.allocation_id for t in shared.tenants if t.allocation_id not in victims]
+    if staying:
+        return f"shared with tenants that are not evicted ({', '.join(sorted(staying))})"
+    return None
 
 
 def waiting_for(ledger: Ledger, allocation_id: str) -> tuple[GpuRef, ...]:

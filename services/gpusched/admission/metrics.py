@@ -60,10 +60,11 @@ def gpu_state(slot: GpuSlot, ledger: Ledger) -> str:
     and allocated (to inference, or to training being evicted); reserved: lent to
     inference, idle; shared: carries GPU fractions or MIG slices; unavailable: idle on a
     drained or failed node."""
+    if slot.reserved_for is not None:
+        # Held (by inference, or by training being evicted, whole or in fractions).
+        return "reserved" if slot.status is GpuStatus.RESERVED_INFERENCE else "lent"
     if slot.status is GpuStatus.SHARED:
         return "shared"
-    if slot.reserved_for is not None:
-        return "lent" if slot.status is GpuStatus.ALLOCATED else "reserved"
     if slot.status is GpuStatus.ALLOCATED:
         return "used"
     return "free" if ledger.node_condition(slot.ref.node) is None else "unavailable"

@@ -132,9 +132,10 @@ async def recent_evictions(uow: UnitOfWork, since: datetime) -> int:
 async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
     await uow.execute(
         f"INSERT INTO {uow.schema}.allocations (allocation_id, job_id, team, kind, "
-        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at, borrowed, trace) "
+        "priority_class, pool, gpu_refs, gpus, checkpointable, started_at, borrowed, trace, "
+        "share_milli, mig) "
         "VALUES (:a, :j, :team, :kind, :pc, :pool, CAST(:refs AS jsonb), :gpus, :ckpt, "
-        ":started, :borrowed, CAST(:trace AS jsonb)) "
+        ":started, :borrowed, CAST(:trace AS jsonb), :milli, :mig) "
         "ON CONFLICT (allocation_id) DO NOTHING",
         {
             "a": granted.allocation_id,
@@ -152,6 +153,8 @@ async def add_allocation(uow: UnitOfWork, granted: AllocationGranted) -> None:
             "borrowed": granted.borrowed,
             # The consumer's span continues the grant's trace, which began at submit.
             "trace": json.dumps(tracing.inject()),
+            "milli": None if granted.share is None else granted.share.milli,
+            "mig": granted.share is not None and granted.share.mig_profile is not None,
         },
     )
 
@@ -212,10 +215,13 @@ async def candidates(uow: UnitOfWork) -> Candidates:
     )
     usable: list[VictimCandidate] = []
     skipped: list[SkippedInput] = []
+    # Every allocation on a GPU in sharing counts as its tenant, those being evicted too:
+    # a GPU frees only when all of them are victims together.
+    tenants = await _tenants(uow)
     for row in rows:
         mapping = row._mapping
         try:
-            candidate = _candidate(mapping)
+            candidate = _candidate(mapping, tenants)
         except (KeyError, TypeError, ValueError) as exc:
             key = str(mapping.get("allocation_id", "?"))
             why = f"unreadable allocation row: {type(exc).__name__}: {exc}"
@@ -229,12 +235,28 @@ async def candidates(uow: UnitOfWork) -> Candidates:
 _POOLS = frozenset(pool.value for pool in Pool)
 
 
-def _candidate(row: Mapping[str, Any]) -> VictimCandidate | None:
+async def _tenants(uow: UnitOfWork) -> dict[GpuRef, int]:
+    """How many allocations share each GPU in sharing (fractions and MIG slices)."""
+    rows = await uow.execute(
+        f"SELECT gpu_refs -> 0 ->> 0 AS node, (gpu_refs -> 0 ->> 1)::int AS idx, "
+        f"count(*) AS n FROM {uow.schema}.allocations "
+        "WHERE gpus = 0 AND jsonb_array_length(gpu_refs) > 0 GROUP BY 1, 2"
+    )
+    return {GpuRef(row.node, row.idx): int(row.n) for row in rows}
+
+
+def _candidate(row: Mapping[str, Any], tenants: Mapping[GpuRef, int]) -> VictimCandidate | None:
     refs = tuple(GpuRef(node, index) for node, index in row["gpu_refs"])
-    if not refs or row["pool"] not in _POOLS or row["gpus"] == 0:
-        # No GPUs to free, a pool this version does not know, or a share of a GPU
-        # (evicting one tenant frees no whole GPU; shared GPUs are never lent): never a victim.
-        return None
+    if not refs or row["pool"] not in _POOLS:
+        return None  # no GPUs to free, or a pool this version does not know
+    share = 1.0
+    if row["gpus"] == 0:
+        # A share of one GPU: a victim only with every other tenant of it (the victim
+        # choice's units). A MIG slice, or a share written before shares were kept, is
+        # never one: its GPU is not lent (admission.lending).
+        if row["mig"] or row["share_milli"] is None:
+            return None
+        share = min(1.0, row["share_milli"] / 1000)
     return VictimCandidate(
         row["allocation_id"],
         row["job_id"],
@@ -247,6 +269,8 @@ def _candidate(row: Mapping[str, Any]) -> VictimCandidate | None:
         row["checkpointable"],
         pool=Pool(row["pool"]),
         borrowed=row["borrowed"],
+        share=share,
+        tenants=tenants.get(refs[0], 1) if row["gpus"] == 0 else 1,
     )
 
 

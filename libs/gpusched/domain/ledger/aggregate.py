@@ -247,11 +247,20 @@ class Ledger(LedgerState):
             model=allocation.model,
             pool=allocation.pool,
             kept_for_inference=tuple(
-                ref for ref in allocation.gpus if self._slots[ref].reserved_for is not None
+                ref
+                for ref in allocation.gpus
+                if self._slots[ref].reserved_for is not None
+                and self._last_tenant(ref, allocation_id)
             ),
         )
         self._evolve(event)
         return event
+
+    def _last_tenant(self, ref: GpuRef, allocation_id: str) -> bool:
+        """Whether nothing but ``allocation_id`` holds ``ref`` (a whole GPU's holder, or
+        the last of its fractional tenants)."""
+        shared = self._shared.get(ref)
+        return shared is None or all(t.allocation_id == allocation_id for t in shared.tenants)
 
     # --- lending to inference ---
 
@@ -268,7 +277,7 @@ class Ledger(LedgerState):
         new: list[GpuRef] = []
         for ref in dict.fromkeys(gpus):
             slot = self.gpu(ref)
-            _check_lendable(slot)
+            self._check_lendable(slot)
             if slot.reserved_for == reservation_id:
                 continue
             if slot.reserved_for is not None:
@@ -512,7 +521,7 @@ class Ledger(LedgerState):
     def _require_lendable(self, refs: Iterable[GpuRef]) -> None:
         for ref in refs:
             slot = self.gpu(ref)
-            _check_lendable(slot)
+            self._check_lendable(slot)
             if slot.reserved_for is not None:
                 raise GpuNotFree(f"GPU {ref} is already reserved for {slot.reserved_for!r}")
 
@@ -607,22 +616,34 @@ class Ledger(LedgerState):
         return SharedGpu(slot.memory_mib)
 
     def _allocated(self, refs: Iterable[GpuRef]) -> tuple[GpuRef, ...]:
-        return tuple(ref for ref in refs if self._slots[ref].status is GpuStatus.ALLOCATED)
+        """The GPUs still held by allocations (whole, or by fractional tenants): a
+        reservation waits for them."""
+        return tuple(
+            ref
+            for ref in refs
+            if self._slots[ref].status in (GpuStatus.ALLOCATED, GpuStatus.SHARED)
+        )
+
+    def _check_lendable(self, slot: GpuSlot) -> None:
+        if slot.status is GpuStatus.SHARED:
+            shared = self._shared.get(slot.ref)
+            # Fractions of training alone: their tenants are evicted together, and the
+            # GPU goes to inference when the last one has left. A MIG layout, or an
+            # inference tenant, stays where it is.
+            if shared is None or shared.mig or not all(t.training for t in shared.tenants):
+                raise GpuNotEligible(
+                    f"GPU {slot.ref} carries a MIG layout or an inference tenant; only "
+                    "whole GPUs and GPUs shared by training fractions alone are lent"
+                )
+        if slot.pool is not Pool.SHARED:
+            raise GpuNotEligible(
+                f"GPU {slot.ref} is in the {slot.pool} pool; only shared GPUs are lent to inference"
+            )
 
 
 def _require_unallocated(slot: GpuSlot) -> None:
     if slot.status is GpuStatus.ALLOCATED:
         raise GpuNotFree(f"GPU {slot.ref} is allocated to {slot.allocation_id!r}")
-
-
-def _check_lendable(slot: GpuSlot) -> None:
-    if slot.status is GpuStatus.SHARED:
-        # Its tenants could only be evicted all at once; shared GPUs are never lent.
-        raise GpuNotEligible(f"GPU {slot.ref} is shared by fractional or MIG tenants")
-    if slot.pool is not Pool.SHARED:
-        raise GpuNotEligible(
-            f"GPU {slot.ref} is in the {slot.pool} pool; only shared GPUs are lent to inference"
-        )
 
 
 def _require_aware(now: datetime) -> None:

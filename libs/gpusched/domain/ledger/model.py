@@ -96,8 +96,9 @@ class GpuSlot:
         # The statuses and their ids must agree, or counts and replays drift.
         consistent = {
             GpuStatus.FREE: self.allocation_id is None and self.reserved_for is None,
-            # A shared GPU's tenants are in the ledger's sharing state, and it is never lent.
-            GpuStatus.SHARED: self.allocation_id is None and self.reserved_for is None,
+            # A shared GPU's tenants are in the ledger's sharing state; it may be lent
+            # while its training fractions leave (inference's once the last has gone).
+            GpuStatus.SHARED: self.allocation_id is None,
             GpuStatus.ALLOCATED: self.allocation_id is not None,
             GpuStatus.RESERVED_INFERENCE: (
                 self.allocation_id is None and self.reserved_for is not None

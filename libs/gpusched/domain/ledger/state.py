@@ -400,7 +400,10 @@ class LedgerState:
         else:
             self._shared.pop(ref, None)
             if slot.status is GpuStatus.SHARED:
-                self._put(replace(slot, status=GpuStatus.FREE))
+                # Lent while its fractions ran: the last one gone, it is inference's.
+                reserved = slot.reserved_for is not None
+                free = GpuStatus.RESERVED_INFERENCE if reserved else GpuStatus.FREE
+                self._put(replace(slot, status=free))
 
     def _fragmentation(self, mix: tuple[tuple[PodShape, float], ...]) -> Fragmentation:
         """The placement score's view, up to date with every change so far."""
