@@ -146,6 +146,11 @@ async def test_a_gpu_of_training_fractions_goes_to_inference_once_both_tenants_a
     audited = await client.at_least(client.s.audit("allocation.released"), 2)
     kept = {e.data["entity"]: e.data["details"]["kept_for_inference"] for e in audited}
     assert kept == {first["job_id"]: [], second["job_id"]: [str(ref)]}
+    # What the other services read: the first release left the GPU held by the second.
+    released = await client.events(client.s.event(ADMISSION, T.ALLOCATION_RELEASED), 2)
+    still = {e.data["job_id"]: e.data["still_held"] for e in released}
+    assert [(g["node"], g["index"]) for g in still[first["job_id"]]] == [(ref.node, ref.index)]
+    assert still[second["job_id"]] == []
 
 
 async def test_a_fractional_job_is_granted_its_share_and_a_second_tenant_lands_on_its_gpu(

@@ -225,11 +225,35 @@ async def test_a_lent_gpu_serves_inference_once_training_has_released_it(
     assert pools(lent)["inference"].util == pytest.approx((0.9 + 0.9 + 0.3) / 3)
     assert pools(lent)["shared"].util == pytest.approx(0.5)
 
+    # A fraction's tenant leaves sh-1/1 while another still trains there: still pending.
+    async def pending() -> tuple[bool, int]:
+        async with ingest.uow() as uow:
+            row = await uow.fetchrow(
+                f"SELECT (SELECT pending FROM {ingest.schema}.gpu_pool "
+                "WHERE node = 'sh-1' AND idx = 1) AS pending, "
+                f"(SELECT count(*) FROM {ingest.schema}.inbox) AS seen"
+            )
+        assert row is not None
+        return bool(row["pending"]), int(row["seen"])
+
+    _, seen = await pending()
+    tenant = AllocationReleased(
+        allocation_id="a0", job_id="j0", team="ml", gpus=[sh1], released_at=utcnow(),
+        reason="evicted", still_held=[sh1],
+    )  # fmt: skip
+    await admission_event(ingest, T.ALLOCATION_RELEASED, tenant)
+
+    async def applied() -> bool:
+        return (await pending())[1] > seen
+
+    await eventually(applied, within=20)
+    assert (await pending())[0] is True
     released = AllocationReleased(
         allocation_id="a1", job_id="j1", team="ml", gpus=[sh1], released_at=utcnow(), reason="x"
     )
     await admission_event(ingest, T.ALLOCATION_RELEASED, released)
     await snapshot_where(ingest, sizes(inference=4, shared=0))
+    assert (await pending())[0] is False
 
     await admission_event(
         ingest, T.GPUS_RETURNED, GpusReturned(reservation_id="r1", gpus=[sh0, sh1])

@@ -647,6 +647,9 @@ class AllocationReleased(Wire):
     gpus: list[GpuRef]
     released_at: Instant
     reason: str
+    # Its GPUs other tenants still hold (the fractions sharing a GPU with it): a GPU lent
+    # to inference while they ran serves it only once the last has gone.
+    still_held: list[GpuRef] = Field(default_factory=list)
 
 
 class GpusReserved(Wire):

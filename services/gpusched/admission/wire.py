@@ -95,6 +95,9 @@ def start_workload(
 def allocation_released(
     released: d.AllocationReleased, reason: str, ledger: d.Ledger
 ) -> m.AllocationReleased:
+    # `ledger` is after the release: a tenant left on a GPU is another allocation's.
+    shared = ledger.shared
+    held = [ref for ref in released.gpus if ref in shared and shared[ref].tenants]
     return m.AllocationReleased(
         allocation_id=released.allocation_id,
         job_id=released.job_id,
@@ -102,6 +105,7 @@ def allocation_released(
         gpus=gpus(released.gpus, ledger),
         released_at=released.released_at,
         reason=reason,
+        still_held=gpus(held, ledger),
     )
 
 

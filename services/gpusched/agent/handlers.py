@@ -310,7 +310,9 @@ class ClusterAgent:
             returned = envelope.payload(GpusReturned)
             self.view.apply_returned(returned.reservation_id, _refs(returned.gpus))
         elif envelope.type == T.ALLOCATION_RELEASED:
-            self.view.apply_released(_refs(envelope.payload(AllocationReleased).gpus))
+            released = envelope.payload(AllocationReleased)
+            held = set(_refs(released.still_held))
+            self.view.apply_released(ref for ref in _refs(released.gpus) if ref not in held)
 
     # --- telemetry ----------------------------------------------------------------------
     async def publish_telemetry(self) -> None:

@@ -110,7 +110,9 @@ async def on_gpus_reserved(envelope: Envelope, uow: UnitOfWork) -> None:
 
 
 async def on_allocation_released(envelope: Envelope, uow: UnitOfWork) -> None:
-    await store.clear_pending(uow, envelope.payload(AllocationReleased).gpus)
+    released = envelope.payload(AllocationReleased)
+    held = {(g.node, g.index) for g in released.still_held}
+    await store.clear_pending(uow, [g for g in released.gpus if (g.node, g.index) not in held])
     await store.membership_changed(uow)
 
 
