@@ -111,6 +111,7 @@ async def request_eviction(
     priority_class: PriorityClassName = PriorityClassName.P1_NORMAL,
     *,
     request_id: str | None = None,
+    share_milli: int | None = None,
 ) -> Envelope:
     payload = EvictionRequested(
         request_id=request_id or v.request_id,
@@ -119,9 +120,11 @@ async def request_eviction(
         job_id=v.job_id,
         team="vision",
         priority_class=priority_class,
-        gpus=4,
+        # A fraction of one GPU, or four whole ones.
+        gpus=4 if share_milli is None else 1,
         started_at=utcnow() - timedelta(hours=1),
         reason="inference surge",
+        share_milli=1000 if share_milli is None else share_milli,
     )
     subject = rt.subjects.command("checkpoint", T.EVICTION_REQUESTED)
     return await publish(rt, subject, T.EVICTION_REQUESTED, payload)
@@ -370,18 +373,19 @@ async def test_a_missed_deadline_aborts_the_eviction_and_the_job_keeps_training(
         assert record["details"]["outcome"] == "deadline_aborted"
 
 
+@pytest.mark.parametrize(("share_milli", "gpus"), [(None, 4.0), (250, 0.25)])
 async def test_a_missed_deadline_under_the_force_policy_evicts_and_records_the_lost_work(
-    hasty: Settings,
+    hasty: Settings, share_milli: int | None, gpus: float
 ) -> None:
     async with running(hasty) as rt:
         v = victim()
-        await request_eviction(rt, v, PriorityClassName.P2_OFFLINE)
+        await request_eviction(rt, v, PriorityClassName.P2_OFFLINE, share_milli=share_milli)
 
         requested = await checkpoint_requested(rt, v)
         assert requested.data["stage_required"] == "snapshotted"  # the p2-offline policy
         [forced] = await wait_for(rt, outcome(rt, T.EVICTION_FORCED))
-        # Four GPUs for an hour with no checkpoint at all.
-        assert forced.data["lost_gpu_seconds"] >= 4 * 3600
+        # Four GPUs (or a quarter of one) for an hour with no checkpoint at all.
+        assert gpus * 3600 <= forced.data["lost_gpu_seconds"] < gpus * 3700
         assert forced.data["checkpoint"] is None
         [evict] = await wait_for(rt, evict_commands(rt))
         assert evict.data["forced"] is True

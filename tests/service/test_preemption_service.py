@@ -267,8 +267,8 @@ async def test_p2_fractions_sharing_a_gpu_are_evicted_together_before_a_p1_whole
     [reserve] = await reserves(preemption, 1)
     assert (sorted(reserve.allocation_ids), reserve.free_gpus) == (["a-f1", "a-f2"], 0)
     requests = await evictions(preemption, 2)
-    assert sorted((r.allocation_id, r.priority_class) for r in requests) == [
-        ("a-f1", P2), ("a-f2", P2)
+    assert sorted((r.allocation_id, r.priority_class, r.share_milli) for r in requests) == [
+        ("a-f1", P2, 500), ("a-f2", P2, 500)
     ]  # fmt: skip
     [expand] = await audits(preemption, "preempt.expand", 1)
     ranked = {c["allocation_id"]: c["reason"] for c in expand["details"]["candidates"]["ranked"]}

@@ -393,6 +393,21 @@ def test_forced_eviction_without_any_checkpoint_charges_from_the_allocation_star
     assert decision.saga.lost_gpu_seconds == 4 * (2 * 3600 + 300)
 
 
+def test_a_forced_fraction_is_charged_its_part_of_the_gpu() -> None:
+    cmd = replace(begin_cmd(policy=DeadlinePolicy.FORCE), gpus=1, share_milli=250)
+    saga, _ = begin(cmd, T0)
+
+    decision = decide(saga, DeadlineReached(T0 + GRACE), T0 + GRACE)
+
+    assert decision.saga.lost_gpu_seconds == 0.25 * (2 * 3600 + 300)
+    assert Saga.from_dict(decision.saga.to_dict()) == decision.saga
+    # A saga stored before fractions were victims held whole GPUs.
+    old = {k: v for k, v in decision.saga.to_dict().items() if k != "share_milli"}
+    assert Saga.from_dict(old).share_milli == 1000
+    with pytest.raises(ValueError, match="share_milli"):
+        begin(replace(cmd, share_milli=0), T0)
+
+
 def test_lost_work_is_never_negative() -> None:
     saga = replace(
         saga_in(S.CHECKPOINTING, DeadlinePolicy.FORCE),

@@ -847,6 +847,9 @@ class EvictionRequested(Wire):
     gpus: int = Field(ge=1)
     started_at: Instant
     reason: str
+    # A fraction of its one GPU (1/1000): its lost work, and a forced eviction's credit,
+    # count that part of the GPU. 1000: whole GPUs.
+    share_milli: int = Field(default=1000, ge=1, le=1000)
 
 
 class EvictionWithdrawn(Wire):

@@ -260,6 +260,11 @@ class VictimCandidate:
     def fraction(self) -> bool:
         return self.share < 1 or self.tenants > 1
 
+    @property
+    def share_milli(self) -> int:
+        """``share`` in 1/1000 of a GPU (1000: whole GPUs), as an eviction request says."""
+        return max(1, min(1000, round(self.share * 1000)))
+
     @classmethod
     def from_allocation(
         cls,

@@ -160,6 +160,8 @@ class Saga:
     evict_attempts: int = 0
     outcome: Outcome | None = None
     lost_gpu_seconds: float = 0.0
+    # The part of its one GPU a fraction holds (1/1000); 1000: whole GPUs.
+    share_milli: int = 1000
 
     @property
     def is_terminal(self) -> bool:
@@ -190,6 +192,7 @@ class Saga:
             "evict_attempts": self.evict_attempts,
             "outcome": None if self.outcome is None else self.outcome.value,
             "lost_gpu_seconds": self.lost_gpu_seconds,
+            "share_milli": self.share_milli,
         }
 
     @classmethod
@@ -222,6 +225,8 @@ class Saga:
             evict_attempts=_int(data, "evict_attempts"),
             outcome=None if outcome is None else Outcome(_str(data, "outcome")),
             lost_gpu_seconds=float(lost),
+            # Sagas stored before fractions were victims held whole GPUs.
+            share_milli=_int(data, "share_milli") if "share_milli" in data else 1000,
         )
 
 
@@ -246,6 +251,7 @@ class Begin:
     # without it a forced eviction would charge lost work from the allocation start.
     last_confirmed: CheckpointRef | None = None
     last_confirmed_at: datetime | None = None
+    share_milli: int = 1000
 
 
 @dataclass(frozen=True)
@@ -415,6 +421,8 @@ def begin(cmd: Begin, now: datetime) -> tuple[Saga, list[SagaEffect]]:
         raise ValueError(f"grace_s must not be negative, got {cmd.grace_s}")
     if cmd.gpus < 0:
         raise ValueError(f"gpus must not be negative, got {cmd.gpus}")
+    if not 1 <= cmd.share_milli <= 1000:
+        raise ValueError(f"share_milli must be within 1..1000, got {cmd.share_milli}")
     requested = Saga(
         saga_id=cmd.saga_id,
         request_id=cmd.request_id,
@@ -431,6 +439,7 @@ def begin(cmd: Begin, now: datetime) -> tuple[Saga, list[SagaEffect]]:
         updated_at=now,
         last_confirmed=cmd.last_confirmed,
         last_confirmed_at=cmd.last_confirmed_at,
+        share_milli=cmd.share_milli,
     )
     decision = decide(requested, cmd, now)
     return decision.saga, list(decision.effects)
@@ -474,8 +483,10 @@ _WHY_NOT: Final = {
 
 
 def lost_gpu_seconds(saga: Saga, now: datetime) -> float:
-    """GPU-seconds of training since the newest verified checkpoint (or allocation start)."""
-    return lostwork.lost_gpu_seconds(saga.gpus, saga.started_at, saga.last_confirmed_at, now)
+    """GPU-seconds of training since the newest verified checkpoint (or allocation start);
+    a fraction of a GPU counts its part of it."""
+    lost = lostwork.lost_gpu_seconds(saga.gpus, saga.started_at, saga.last_confirmed_at, now)
+    return lost * saga.share_milli / 1000 if saga.share_milli < 1000 else lost
 
 
 def _require_addressed_to(saga: Saga, event: SagaInput) -> None:

@@ -647,6 +647,7 @@ class _Engine:
             priority_class=str(victim.priority_class),
             reason=reason,
             latest=None if ref is None or latest is None else (ref, latest),
+            share_milli=victim.share_milli,
         )
         saga, effects = sg.begin(begin, now)
         self.sagas[request_id] = saga

@@ -219,6 +219,7 @@ class SagaHandlers:
                     priority_class=request.priority_class.value,
                     reason=request.reason,
                     latest=None if latest is None else (latest.checkpoint, latest.confirmed_at),
+                    share_milli=request.share_milli,
                 ),
                 now,
             )

@@ -61,6 +61,7 @@ class EvictionPolicies:
         priority_class: str,
         reason: str,
         latest: tuple[CheckpointRef, datetime] | None,
+        share_milli: int = 1000,
     ) -> Begin:
         """The saga's opening for an eviction request: the class's stage and deadline
         policy, and the job's newest verified checkpoint (``latest``: the checkpoint and
@@ -81,6 +82,7 @@ class EvictionPolicies:
             # A checkpoint from an earlier allocation is where this one resumed from: no
             # work is lost from before this allocation started.
             last_confirmed_at=None if latest is None else max(latest[1], started_at),
+            share_milli=share_milli,
         )
 
 

@@ -548,6 +548,7 @@ class Controller:
                 gpus=victim.gpus,
                 started_at=victim.started_at,
                 reason=reason,
+                share_milli=victim.share_milli,
             ),
             correlation_id=decision_id,
             causation_id=cause,
