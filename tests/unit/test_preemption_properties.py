@@ -105,6 +105,72 @@ def test_victim_choice_keeps_every_rule_for_any_cluster(
         assert choice.deferred == 0
 
 
+@st.composite
+def shared_gpus(draw: st.DrawFn) -> list[VictimCandidate]:
+    """Whole-GPU candidates and GPUs shared by fractions, some of whose tenants are not
+    listed (being evicted, or never victims): every tenant says how many the GPU has."""
+    out = draw(clusters())
+    for g in range(draw(st.integers(0, 6))):
+        gpu = GpuRef(f"s{g % 3}", 1000 + g)
+        tenants = draw(st.integers(1, 4))
+        listed = draw(st.integers(1, tenants))
+        for t in range(listed):
+            started = NOW - timedelta(seconds=draw(st.integers(0, 4 * 3600)))
+            out.append(
+                VictimCandidate(
+                    f"f{g}-{t}", f"job-f{g}-{t}", "t1",
+                    draw(st.sampled_from(list(PriorityClass))), 1, (gpu,), started,
+                    NOW - timedelta(seconds=draw(st.integers(0, 4 * 3600))), True,
+                    pool=draw(st.sampled_from([Pool.SHARED, Pool.SHARED, Pool.INFERENCE])),
+                    borrowed=draw(st.booleans()),
+                    share=draw(st.sampled_from([0.1, 0.25, 0.5])), tenants=tenants,
+                )
+            )  # fmt: skip
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shared_gpus(),
+    st.integers(0, 30),
+    st.sampled_from([0.0, MIN_RUNTIME_S]),
+    st.none() | st.integers(0, 6),
+)
+def test_the_fractions_of_a_gpu_are_victims_all_together_or_not_at_all(
+    cluster: list[VictimCandidate], need: int, min_runtime_s: float, max_victims: int | None
+) -> None:
+    choice = choose_victims(
+        cluster, need, NOW, min_runtime_s=min_runtime_s, max_victims=max_victims
+    )
+    chosen = {v.allocation_id for v in choice.victims}
+    units: dict[GpuRef, list[VictimCandidate]] = {}
+    for c in cluster:
+        if c.fraction:
+            units.setdefault(c.gpu_refs[0], []).append(c)
+    freed_units = 0
+    for gpu, members in units.items():
+        taken = [m for m in members if m.allocation_id in chosen]
+        if not taken:
+            continue
+        # All of its tenants, every one listed and allowed to be evicted.
+        assert len(taken) == len(members) == members[0].tenants, gpu
+        assert all(eligible(m, min_runtime_s) for m in members)
+        freed_units += 1
+    whole = [v for v in choice.victims if not v.fraction]
+    assert all(eligible(v, min_runtime_s) for v in whole)
+    assert choice.freed == sum(v.gpus for v in whole) + freed_units
+    if max_victims is not None:
+        assert len(choice.victims) <= max_victims
+    assert min(choice.freed, need) + choice.deferred + choice.shortfall == need
+    # Short of the need and not held back by the limit: every unit that could go went.
+    if choice.freed < need and choice.deferred == 0:
+        for members in units.values():
+            if len(members) == members[0].tenants and all(
+                eligible(m, min_runtime_s) for m in members
+            ):
+                assert all(m.allocation_id in chosen for m in members)
+
+
 LIMITS = policy.ControllerLimits(
     ElasticThresholds(),
     cooldown_s=120.0,
