@@ -244,7 +244,7 @@ def test_a_gpu_whose_tenants_cannot_all_be_evicted_frees_nothing() -> None:
     reasons = dict(choice.reasons)
     assert "1 tenant(s) that are not candidates" in reasons["f1"]
     assert reasons["g2"].startswith("skipped: inside its min runtime")
-    assert reasons["g1"].startswith("skipped: shares GPU node-shared/1 with g2, which is inside")
+    assert reasons["g1"].startswith("skipped: shares GPU node-shared/1 with g2 (inside its min")
 
 
 def test_a_unit_ranks_by_its_tenants_lost_work_summed_and_its_least_preemptible_class() -> None:

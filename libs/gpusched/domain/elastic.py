@@ -492,7 +492,7 @@ def choose_victims(
             if candidate.allocation_id in islands
             else ""
         )
-        if members[0] is not candidate:
+        if len(members) > 1:
             gpu = candidate.gpu_refs[0]
             frees += f", one of {len(members)} tenants of GPU {gpu} evicted together"
         for member in members:
@@ -566,7 +566,7 @@ def _units(
             ] * len(members)
         elif any(reasons):
             blocker = next(
-                f"{m.allocation_id}, which is {r.removeprefix('skipped: ')}"
+                f"{m.allocation_id} ({r.removeprefix('skipped: ')})"
                 for m, r in zip(members, reasons, strict=True)
                 if r
             )
