@@ -5,7 +5,6 @@ once every service's /readyz says so, and no Alembic chatter."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from gpusched.cli.stack import SERVICES
+from gpusched.infra.embedded import free_port
 from tests.e2e.test_up import Up, _clean_env, _port_free, data_dir, ups  # noqa: F401  (fixtures)
 
 
 def _free_run(length: int) -> int:
-    """The first of `length` consecutive free ports."""
+    """The first of `length` consecutive free ports, below the kernel's ephemeral range
+    (as free_port picks): a run drawn from that range can be taken by any outgoing
+    connection before the services bind it (a CI run's agent crash-looped so)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        if base + length < 65536 and all(_port_free(base + i) for i in range(length)):
+        base = free_port()
+        if all(_port_free(base + i) for i in range(length)):
             return base
     raise AssertionError("no run of free ports")
 
