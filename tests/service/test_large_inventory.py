@@ -5,23 +5,19 @@ project it (ingest's pool membership, preemption's NVLink islands) apply all of 
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 
 import nats
 import pytest
 from tests.support.admission import SCHEMA, start_admission, with_inventory
 from tests.support.identity import harness_options
+from tests.support.services import running
 from tests.support.waiting import eventually, stream_messages
 
 from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.contracts.subjects import Subjects
-from gpusched.infra.migrations import migrations_dir
 from gpusched.infra.natsauth import CLIENT_MAX_PAYLOAD
 from gpusched.infra.runtime import ServiceRuntime
 from gpusched.infra.settings import Settings
@@ -42,19 +38,6 @@ nodes:
     memory_mib: 1048576
     nvlink_islands: [[0, 1, 2, 3], [4, 5, 6, 7]]
 """
-
-
-@asynccontextmanager
-async def service(app: ModuleType, settings: Settings) -> AsyncIterator[ServiceRuntime]:
-    runtime = ServiceRuntime(app.NAME, app.SCHEMA, settings, migrations_dir(app.__file__))
-    await runtime.start()
-    await app.build(runtime)
-    task = asyncio.create_task(runtime.run())
-    try:
-        yield runtime
-    finally:
-        runtime.request_stop()
-        await asyncio.wait_for(task, 30)
 
 
 async def count(runtime: ServiceRuntime, table: str) -> int:
@@ -89,8 +72,8 @@ async def test_an_inventory_of_10000_nodes_goes_out_in_one_event_and_is_applied(
 
         began = time.monotonic()
         async with (
-            service(ingest_app, configured) as ingest,
-            service(preemption_app, configured) as preemption,
+            running(configured, ingest_app) as ingest,
+            running(configured, preemption_app) as preemption,
         ):
 
             async def applied() -> bool:

@@ -114,10 +114,8 @@ def _unlendable_share(ledger: Ledger, ref: GpuRef, victims: Collection[str]) -> 
     shared = ledger.shared.get(ref)
     if shared is None:
         return None
-    if shared.mig:
-        return "carries a MIG layout"
-    if not all(tenant.training for tenant in shared.tenants):
-        return "shared with an inference tenant"
+    if (why := ledger.share_unlendable(ref)) is not None:
+        return why
     staying = [t.allocation_id for t in shared.tenants if t.allocation_id not in victims]
     if staying:
         return f"shared with tenants that are not evicted ({', '.join(sorted(staying))})"

@@ -624,17 +624,26 @@ class Ledger(LedgerState):
             if self._slots[ref].status in (GpuStatus.ALLOCATED, GpuStatus.SHARED)
         )
 
+    def share_unlendable(self, ref: GpuRef) -> str | None:
+        """Why a GPU in sharing may not be lent to inference (None: it may, or it is not
+        in sharing). Fractions of training alone may: their tenants are evicted together
+        and the GPU goes to inference when the last has left; a MIG layout or an
+        inference tenant stays where it is."""
+        shared = self._shared.get(ref)
+        if shared is None:
+            return None
+        if shared.mig:
+            return "carries a MIG layout"
+        if not all(tenant.training for tenant in shared.tenants):
+            return "shared with an inference tenant"
+        return None
+
     def _check_lendable(self, slot: GpuSlot) -> None:
-        if slot.status is GpuStatus.SHARED:
-            shared = self._shared.get(slot.ref)
-            # Fractions of training alone: their tenants are evicted together, and the
-            # GPU goes to inference when the last one has left. A MIG layout, or an
-            # inference tenant, stays where it is.
-            if shared is None or shared.mig or not all(t.training for t in shared.tenants):
-                raise GpuNotEligible(
-                    f"GPU {slot.ref} carries a MIG layout or an inference tenant; only "
-                    "whole GPUs and GPUs shared by training fractions alone are lent"
-                )
+        if slot.status is GpuStatus.SHARED and (why := self.share_unlendable(slot.ref)):
+            raise GpuNotEligible(
+                f"GPU {slot.ref} {why}; only whole GPUs and GPUs shared by training "
+                "fractions alone are lent"
+            )
         if slot.pool is not Pool.SHARED:
             raise GpuNotEligible(
                 f"GPU {slot.ref} is in the {slot.pool} pool; only shared GPUs are lent to inference"
