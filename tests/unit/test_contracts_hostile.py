@@ -17,7 +17,13 @@ from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.errors import MalformedMessage
 from gpusched.contracts.identity import REQUEST_INFO_HEADER, CallerKind, caller_from_headers
 from gpusched.contracts.manifest import MalformedManifest, Manifest, ManifestFile
-from gpusched.contracts.messages import AddNode, AuditRecord, CheckpointRequested, SubmitJob
+from gpusched.contracts.messages import (
+    AddNode,
+    AuditRecord,
+    CheckpointRequested,
+    EvictionRequested,
+    SubmitJob,
+)
 from gpusched.contracts.validation import Invalid, parse_request, read_message
 from gpusched.domain.saga import CheckpointRef, Stage
 from gpusched.sdk.control import MAX_SECONDS_LEFT, CheckpointRequest, control_message
@@ -248,3 +254,18 @@ def test_a_listed_file_that_does_not_match_is_named_without_what_it_holds() -> N
     digest = judge_file(entry, ObjectFacts(True, 5, HELD_SHA256))
     assert size is not None and "1274" not in size
     assert digest is not None and HELD_SHA256 not in digest
+
+
+_EVICTION = {
+    "request_id": "r", "decision_id": "d", "allocation_id": "a", "job_id": "j", "team": "t",
+    "priority_class": "p2-offline", "gpus": 1, "started_at": "2026-12-05T00:00:00Z",
+    "reason": "surge",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("share", [True, "500", 2.5, 0, -1, 1001, 10**12, None])
+def test_an_eviction_request_refuses_a_share_that_is_not_1_to_1000_milli(share: Any) -> None:
+    with pytest.raises(ValidationError, match="share_milli"):
+        EvictionRequested.model_validate_json(json.dumps({**_EVICTION, "share_milli": share}))
+    # Absent, it is a whole GPU (senders before shares were kept).
+    assert EvictionRequested.model_validate_json(json.dumps(_EVICTION)).share_milli == 1000

@@ -849,7 +849,7 @@ class EvictionRequested(Wire):
     reason: str
     # A fraction of its one GPU (1/1000): its lost work, and a forced eviction's credit,
     # count that part of the GPU. 1000: whole GPUs.
-    share_milli: int = Field(default=1000, ge=1, le=1000)
+    share_milli: Annotated[int, Strict()] = Field(default=1000, ge=1, le=1000)
 
 
 class EvictionWithdrawn(Wire):
