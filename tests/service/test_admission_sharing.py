@@ -153,6 +153,52 @@ async def test_a_gpu_of_training_fractions_goes_to_inference_once_both_tenants_a
     assert still[second["job_id"]] == []
 
 
+async def test_a_restart_between_the_tenants_evictions_keeps_the_gpu_pending_for_inference(
+    admission_settings: Settings, client: SharingClient
+) -> None:
+    first_run = await start_admission(admission_settings)
+    try:
+        first = await client.running(await client.submitted_share({"count": 1, "milli": 400}))
+        second = await client.running(await client.submitted_share({"count": 1, "milli": 500}))
+        held = first["allocated"][0]
+        ref = GpuRef(held["node"], held["index"])
+        await client.reserve("decision-1", [first["allocation_id"], second["allocation_id"]])
+        await client.events(client.s.event(ADMISSION, T.GPUS_RESERVED), 1)
+        await client.stopped(first, StopReason.EVICTED, "saga-1")
+        await client.eviction_completed(first, "saga-1")
+        await client.job_in(first["job_id"], "queued")
+    finally:
+        await first_run.stop()
+    second_run = await start_admission(admission_settings)
+    try:
+        slot = (await second_run.ledger()).gpu(ref)
+        assert (slot.status, slot.reserved_for) == (GpuStatus.SHARED, "res-1")
+        on_it = {
+            a.allocation_id
+            for a in (await second_run.ledger()).allocations.values()
+            if ref in a.gpus
+        }
+        assert on_it == {second["allocation_id"]}
+        # A new fraction that would fit beside the last tenant does not join it; the
+        # evicted one queues for training elsewhere (the other shared GPU).
+        newcomer = await client.running(await client.submitted_share({"count": 1, "milli": 100}))
+        assert [(g["node"], g["index"]) for g in newcomer["allocated"]] != [(ref.node, ref.index)]
+        await client.stopped(second, StopReason.EVICTED, "saga-2")
+        await client.eviction_completed(second, "saga-2")
+        await client.job_in(second["job_id"], "queued")
+
+        async def given_to_inference() -> bool:
+            slot = (await second_run.ledger()).gpu(ref)
+            return (slot.status, slot.reserved_for) == (GpuStatus.RESERVED_INFERENCE, "res-1")
+
+        await eventually(given_to_inference, within=20)
+        audited = await client.at_least(client.s.audit("allocation.released"), 2)
+        kept = {e.data["entity"]: e.data["details"]["kept_for_inference"] for e in audited}
+        assert kept == {first["job_id"]: [], second["job_id"]: [str(ref)]}
+    finally:
+        await second_run.stop()
+
+
 async def test_a_fractional_job_is_granted_its_share_and_a_second_tenant_lands_on_its_gpu(
     admission: Admission, client: SharingClient
 ) -> None:
