@@ -4,7 +4,7 @@ NATS and PostgreSQL come from GPUSCHED_NATS_URL / GPUSCHED_DATABASE_URL when set
 else the embedded servers start once, in a temporary directory, for the whole run.
 Each figure is printed to stdout as one JSON line and appended to
 bench/results/<bench>.jsonl; bench/results/latest.json holds the latest figures of
-every bench. Progress goes to stderr.
+every bench (BENCH_RESULTS_DIR names another folder). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from bench.harness import Context, Figure
 from gpusched.infra.embedded import EmbeddedNats, EmbeddedPostgres
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
 PREFIX = "bench_"
 
 
@@ -72,7 +72,7 @@ async def run_module(module: ModuleType, ctx: Context) -> list[Figure]:
 
 
 def save(name: str, figures: list[Figure], stamp: str) -> None:
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / f"{name}.jsonl").open("a", encoding="utf-8") as history:
         for figure in figures:
             history.write(json.dumps({**figure.record(), "time": stamp}) + "\n")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 import uuid
@@ -69,14 +70,14 @@ SAGAS = int(os.environ.get("BENCH_SAGAS", "1000"))
 CONCURRENCY = int(os.environ.get("BENCH_SAGAS_CONCURRENCY", "200"))
 ROUND_TRIPS = 1000
 # Enough sagas that the p99 is not simply the slowest one (with 50 it would be).
-UNLOADED = 200
+UNLOADED = int(os.environ.get("BENCH_SAGAS_UNLOADED", "200"))
 RATE = float(os.environ.get("BENCH_SAGAS_RATE", "40"))
 PACED = int(os.environ.get("BENCH_SAGAS_PACED", "400"))
 P99_GOAL_MS = 50.0
 # What a saga costs the service at least: messages in, events and audit records out,
 # and its PostgreSQL round trips (see the module's docstring).
 FLOOR_IN, FLOOR_OUT, FLOOR_ROUND_TRIPS = 3, 9, 4
-FLOOR_SAGAS = 1000
+FLOOR_SAGAS = min(SAGAS, 1000)
 
 
 class Sim:
@@ -94,6 +95,7 @@ class Sim:
         self.stopped: dict[str, float] = {}  # saga id -> workload.stopped published
         self.completed: dict[str, float] = {}  # saga id -> eviction.completed received
         self.done: dict[str, asyncio.Event] = {}
+        self.refused: dict[str, str] = {}  # saga id -> why the service refused its claim
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def publish(
@@ -155,6 +157,15 @@ class Sim:
         if (event := self.done.get(saga_id)) is not None:
             event.set()
 
+    async def on_unverified(self, msg: Msg) -> None:
+        # A claim the service will not take (a misconfigured bench) fails the run at
+        # once with the service's reason, not after the saga's wait.
+        env = Envelope.from_bytes(msg.data)
+        saga_id = str(env.data.get("entity"))
+        self.refused.setdefault(saga_id, str(env.data.get("reason")))
+        if (event := self.done.get(saga_id)) is not None:
+            event.set()
+
     async def saga(self, index: int, slots: asyncio.Semaphore, at: float | None = None) -> None:
         if at is not None:
             # Open loop: the saga starts on its schedule, however the earlier ones fare.
@@ -178,6 +189,8 @@ class Sim:
             subject = self.s.command("checkpoint", T.EVICTION_REQUESTED)
             await self.publish(subject, T.EVICTION_REQUESTED, payload)
             await asyncio.wait_for(done.wait(), 60)
+            if (reason := self.refused.get(saga_id_for(request_id))) is not None:
+                raise RuntimeError(f"the checkpoint service refused the bench's claim: {reason}")
 
 
 async def round_trips(nc: NatsClient, n: int) -> list[float]:
@@ -206,10 +219,18 @@ async def run(ctx: Context) -> list[Figure]:
         subject_prefix=f"bench{uuid.uuid4().hex[:8]}",
         data_dir=ctx.scratch / "sagas",
     )
+    # The jobs' checkpoints live where the service is told to read file:// claims
+    # (checkpoint.file_roots), as in a deployment: the claims go through that check too.
+    jobs_dir = ctx.scratch / "sagas-jobs"
+    jobs_dir.mkdir()
     stack = Stack(
         settings,
         services=("checkpoint",),
-        env={"GPUSCHED_LOG_LEVEL": "WARNING", "GPUSCHED_CHECKPOINT__GRACE_S": "600"},
+        env={
+            "GPUSCHED_LOG_LEVEL": "WARNING",
+            "GPUSCHED_CHECKPOINT__GRACE_S": "600",
+            "GPUSCHED_CHECKPOINT__FILE_ROOTS": json.dumps([str(jobs_dir.resolve())]),
+        },
         log_dir=ctx.scratch / "sagas-logs",
     )
     ctx.progress(f"{NAME}: starting the checkpoint service")
@@ -219,12 +240,13 @@ async def run(ctx: Context) -> list[Figure]:
     nc = await nats.connect(ctx.nats_url, name="bench-sagas", **harness_options(stack.settings))
     try:
         s = Subjects(settings.subject_prefix)
-        checkpoint = ctx.scratch / "sagas-checkpoint.bin"
+        checkpoint = jobs_dir / "checkpoint.bin"
         checkpoint.write_bytes(os.urandom(1 << 16))
         sim = Sim(nc, s, checkpoint)
         await nc.subscribe(f"{s.prefix}.jobs.*.control", cb=sim.on_control)
         await nc.subscribe(s.command("agent", T.EVICT_WORKLOAD), cb=sim.on_evict)
         await nc.subscribe(s.event("checkpoint", T.EVICTION_COMPLETED), cb=sim.on_completed)
+        await nc.subscribe(s.audit("checkpoint.unverified"), cb=sim.on_unverified)
         await nc.flush()
 
         ctx.progress(f"{NAME}: warming up (20 sagas)")
