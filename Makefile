@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check libs services tests bench
 
 typecheck: $(STAMP)
-	$(BIN)/mypy libs/gpusched services/gpusched
+	$(BIN)/mypy libs/gpusched services/gpusched bench
 
 # --dist worksteal: a worker that runs out of tests takes half of the other's queue, so
 # one worker does not finish minutes early while the other still holds its first chunk

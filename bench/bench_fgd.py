@@ -113,12 +113,13 @@ def run_one(workload: Workload, packer: str) -> Run:
             return _cluster_of(ledger, workload.nodes)
     else:
         cluster = Cluster(workload.nodes)
-        chosen: Packer = {
+        makers: dict[str, Callable[[], Packer]] = {
             "fgd": lambda: Fgd(cluster, types, workload.seed),
             "fgd_first": lambda: Fgd(cluster, types, workload.seed, random_ties=False),
             "first_fit": lambda: FirstFit(cluster),
             "best_fit": lambda: BestFit(cluster),
-        }[packer]()
+        }
+        chosen = makers[packer]()
         place = chosen.place
 
         def snapshot() -> Cluster:

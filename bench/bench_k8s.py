@@ -148,25 +148,29 @@ async def _inventory(ctx: Context, operator: ApiClient) -> None:
 
 
 async def _measure(ctx: Context, core: client.CoreV1Api, binds: _Binds) -> list[Figure]:
-    await core.create_namespaced_pod("bench", _pod("warm-up", "gpusched"))
+    await core.create_namespaced_pod("bench", _pod("warm-up", "gpusched"))  # type: ignore[arg-type]
     await binds.all_bound(["warm-up"])
 
     async def via_gpusched(name: str) -> float:
         start = time.monotonic()
-        await core.create_namespaced_pod("bench", _pod(name, "gpusched"))
+        await core.create_namespaced_pod("bench", _pod(name, "gpusched"))  # type: ignore[arg-type]
         await binds.all_bound([name])
         return binds.at[name] - start
 
     async def by_hand(name: str) -> float:
         start = time.monotonic()
-        await core.create_namespaced_pod("raw", _pod(name, "default-scheduler"))
+        await core.create_namespaced_pod("raw", _pod(name, "default-scheduler"))  # type: ignore[arg-type]
         target = {"apiVersion": "v1", "kind": "Node", "name": "gpu-000"}
         body = {"metadata": {"name": name}, "target": target}
         # The stand-in answers a Binding with a Status, as the API does: not read as one.
+        # The client takes plain manifests as well as its models (the stubs say models).
         response = await core.create_namespaced_pod_binding(
-            name, "raw", body, _preload_content=False
+            name,
+            "raw",
+            body,  # type: ignore[arg-type]
+            _preload_content=False,
         )
-        response.release()
+        response.release()  # type: ignore[attr-defined]
         return time.monotonic() - start
 
     agent = await _paced(via_gpusched, "paced")

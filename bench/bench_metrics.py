@@ -20,13 +20,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from bench.harness import Context, Figure
+from gpusched.admission.index import QueueIndex
 from gpusched.admission.metrics import SchedulerView
-from gpusched.admission.queue import JobState, QueueIndex
+from gpusched.admission.queue import JobState, ask_of
 from gpusched.admission.store import JobRecord
 from gpusched.contracts.messages import GpuReading, GpuRequest, GpuSample, SubmitJob
 from gpusched.domain.inventory import GpuSpec, Inventory, NodeSpec, Pool
 from gpusched.domain.ledger import Ledger
 from gpusched.ingest.metrics import gpu_families, gpu_readings
+from gpusched.ingest.reader import SampleView
 from gpusched.ingest.window import Membership, TelemetryWindow
 
 NAME = "metrics"
@@ -40,7 +42,7 @@ class Fold:
 
     window: TelemetryWindow
     membership: Membership
-    latest: dict[str, GpuSample] = field(default_factory=dict)
+    latest: dict[str, SampleView] = field(default_factory=dict)
 
 
 class Families(Collector):
@@ -68,20 +70,22 @@ def telemetry(nodes: int) -> Fold:
         readings = [(g, (i + g) % 100 / 100) for g in range(GPUS)]
         for k in range(3):  # three samples each in the window
             window.add(name, i % 16, GPUS, now - k, readings, now)
-        fold.latest[name] = GpuSample(
-            node=name,
-            time=T0,
-            gpus=[
-                GpuReading(
-                    index=g,
-                    util=u,
-                    mem_used_mib=40_000,
-                    mem_total_mib=81_920,
-                    temp_c=60.0,
-                    power_w=300.0,
-                )
-                for g, u in readings
-            ],
+        fold.latest[name] = SampleView.of(
+            GpuSample(
+                node=name,
+                time=T0,
+                gpus=[
+                    GpuReading(
+                        index=g,
+                        util=u,
+                        mem_used_mib=40_000,
+                        mem_total_mib=81_920,
+                        temp_c=60.0,
+                        power_w=300.0,
+                    )
+                    for g, u in readings
+                ],
+            )
         )
     return fold
 
@@ -101,8 +105,8 @@ def gauge_baseline(fold: Fold) -> CollectorRegistry:
     for node, index, mean in fold.window.gpu_means():
         util.labels(node, str(index), "shared").set(mean)
     for node, sample in fold.latest.items():
-        for reading in sample.gpus:
-            memory.labels(node, str(reading.index)).set(reading.mem_used_mib / 81_920)
+        for index, used, total in sample.memory:
+            memory.labels(node, str(index)).set(used / total)
     return registry
 
 
@@ -112,16 +116,17 @@ def queued(jobs: int, teams: int) -> QueueIndex:
         spec = SubmitJob(name=f"j{i}", team=f"team-{i % teams}", gpus=GpuRequest(count=1))
         index.put(
             JobRecord(
-                f"job-{i:012x}",
-                spec,
-                JobState.QUEUED,
-                0,
-                None,
-                None,
-                T0 + timedelta(milliseconds=i),
-                (),
-                False,
-                {},
+                job_id=f"job-{i:012x}",
+                ask=ask_of(spec),
+                spec_json=spec.model_dump_json(),
+                state=JobState.QUEUED,
+                attempt=0,
+                allocation_id=None,
+                resume_from=None,
+                submitted_at=T0 + timedelta(milliseconds=i),
+                warnings=(),
+                wait_audited=False,
+                trace={},
             )
         )
     return index

@@ -45,7 +45,7 @@ def plain_write(blob: Blob, path: Path) -> float:
     started = time.perf_counter()
     with path.open("wb") as f:
         for tensor in blob.tensors.values():
-            f.write(memoryview(tensor.numpy()).cast("B"))
+            f.write(tensor.numpy().data.cast("B"))
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - started

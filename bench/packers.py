@@ -83,7 +83,8 @@ class Cluster:
             return mask
         mask &= self.access(pod.models)
         if pod.fraction:
-            return mask & (self.left.max(axis=1) >= pod.milli)
+            room: BoolArray = self.left.max(axis=1) >= pod.milli
+            return mask & room
         return mask & (self.free_whole >= pod.gpus)
 
     def take(self, node: int, gpus: Sequence[int], pod: Pod) -> None:
