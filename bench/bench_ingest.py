@@ -230,12 +230,13 @@ def _publisher(settings_json: str, rate: float, seconds: float, out: Connection)
         )
         s = Subjects(settings.subject_prefix)
         tick = 0.01
-        per_tick = rate * tick
         sent = 0
         start = time.perf_counter()
-        due = 0.0
         while (elapsed := time.perf_counter() - start) < seconds:
-            due += per_tick
+            # What is due by now, not one tick's worth per pass: a pass that overshoots
+            # its tick (sleep granularity, a slow flush) is made up in the next one.
+            # (Counting passes sent 8,800-9,300 /s when 10,000 were asked.)
+            due = rate * elapsed
             now = datetime.now(UTC)
             while sent < int(due):
                 name = node(sent % NODES)
