@@ -85,6 +85,57 @@ def test_replay_on_a_csv_of_ones_own_prints_json_and_writes_a_report(tmp_path: P
     assert int(loaded.group(1)) == dom.count("<img") >= 7
 
 
+@pytest.mark.timeout(300)
+def test_replay_with_ones_own_demand_pools_and_checkpoints(tmp_path: Path) -> None:
+    csv, inventory = month(tmp_path)
+    demand = tmp_path / "demand.csv"
+    # Ten hours and a half of a measured demand, a step a minute: 2 GPUs of work, then
+    # a surge to 9 for the third hour.
+    demand.write_text(
+        "t_s,gpus\n" + "".join(f"{k * 60},{9 if 120 <= k < 180 else 2}\n" for k in range(630))
+    )
+
+    done = gpusched(
+        "replay", "--csv", str(csv), "--inventory", str(inventory), "--demand", str(demand),
+        "--dedicated-gpus", "4", "--static-share", "0.25", "--checkpoint-every", "600",
+        "--persist-s", "30", "--policy", "gpusched", "--policy", "static split",
+        "-o", "json", cwd=REPO,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    sizing, experiment = data["sizing"], data["experiment"]
+    assert sizing["gpusched_inference_gpus"] == 4
+    assert sizing["gpusched_inference_gpus_rule"].startswith("given (4 GPUs")
+    assert sizing["static_inference_gpus"] == 8  # a quarter of 32, whole nodes
+    assert sizing["demand"] == {
+        "measured": "demand.csv",
+        "peak_gpus": 9,
+        "step_s": 60,
+        "hours": 10.5,
+    }
+    assert experiment["checkpoints"]["periodic_s"] == 600
+    assert experiment["checkpoints"]["persist_base_s"] == 30
+    ours, static = (p["results"]["inference"] for p in data["policies"])
+    # The surge needs more than gpusched's 4 dedicated GPUs: it expands into the shared
+    # pool; the static split's 8 GPUs (6.8 GPUs of work at 0.85) miss the SLO in it.
+    assert ours["expansions"] >= 1 and ours["lent_gpu_h_mean"] > 0
+    assert static["slo_time_share"] < 0.99 and ours["slo_time_share"] > static["slo_time_share"]
+
+
+def test_a_demand_with_the_drawn_curves_shape_is_refused_in_one_line(tmp_path: Path) -> None:
+    demand = tmp_path / "demand.csv"
+    demand.write_text("t_s,gpus\n0,1\n60,1\n")
+
+    done = gpusched("replay", "--demand", str(demand), "--trough", "0.2", cwd=REPO)
+
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpusched: --trough and --surges-per-day shape the drawn demand: leave them out "
+        "with --demand"
+    ]
+
+
 def test_a_missing_traces_folder_is_one_line_that_says_how_to_get_them(tmp_path: Path) -> None:
     done = gpusched("replay", "--traces", str(tmp_path / "none"), cwd=REPO)
 

@@ -216,3 +216,81 @@ def test_a_workload_too_small_for_any_node_says_what_to_give(tmp_path: Path) -> 
     with pytest.raises(traces.TraceError, match=r"keeps none.*--node-share 0.025 or more"):
         prepare(experiment)
     assert prepare(replace(experiment, node_share=0.025)).inventory.total_gpus == 8
+
+
+def test_a_measured_demand_is_read_step_by_step(tmp_path: Path) -> None:
+    demand = tmp_path / "demand.csv"
+    demand.write_text("t_s,gpus\n0,1.5\n300,2\n600,0\n")
+
+    assert traces.read_demand_csv(demand) == ([1.5, 2.0, 0.0], 300.0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error"),
+    [
+        ("0,1\n", r"at least two rows"),
+        ("5,1\n65,1\n", r"line 2: the first t_s must be 0, got 5"),
+        ("0,1\n60,1\n100,1\n", r"line 4: t_s 100 breaks the step of 60 s"),
+        ("0,1\n60,1\n60,1\n", r"line 4: t_s must increase, got 60 after 60"),
+        ("0,1\n60,NaN\n", r"line 3: gpus must be a finite number >= 0, got 'NaN'"),
+        ("0,1\n60,-2\n", r"line 3: gpus must be a finite number >= 0"),
+        ("0,1\n60,1e9\n", r"line 3: gpus 1e\+09 is more than any cluster"),
+        ("0,1\n1e12,1\n", r"line 3: t_s 1e\+12 s is over ten years"),
+        ("0,1\n60,x\n", r"line 3: gpus is not a number: 'x'"),
+    ],
+)
+def test_a_bad_demand_row_is_named_with_what_to_give(tmp_path: Path, rows: str, error: str) -> None:
+    demand = tmp_path / "demand.csv"
+    demand.write_text("t_s,gpus\n" + rows)
+
+    with pytest.raises(traces.TraceError, match=error):
+        traces.read_demand_csv(demand)
+
+
+def _own_cluster(tmp_path: Path, demand_rows: int) -> Experiment:
+    jobs = tmp_path / "jobs.csv"
+    jobs.write_text(
+        "name,arrival_s,gpus,run_s,class\n"
+        + "".join(f"j{i},{i * 600},1,3600,p2-offline\n" for i in range(12))
+    )
+    inventory = tmp_path / "cluster.yaml"
+    inventory.write_text(
+        "nodes:\n  - name_prefix: n\n    count: 4\n    pool: shared\n    gpu_model: T4\n"
+        "    gpus: 4\n    cpu_milli: 64000\n    memory_mib: 262144\n"
+    )
+    demand = tmp_path / "demand.csv"
+    demand.write_text("t_s,gpus\n" + "".join(f"{k * 60},{1 + k % 4}\n" for k in range(demand_rows)))
+    return Experiment(traces_dir=tmp_path, csv=jobs, inventory=inventory, demand=demand)
+
+
+def test_a_measured_demand_sizes_the_pools_and_a_given_dedicated_pool_overrides_the_rule(
+    tmp_path: Path,
+) -> None:
+    experiment = _own_cluster(tmp_path, demand_rows=200)
+
+    prepared = prepare(experiment)
+    assert prepared.demand.values[:5] == (1.0, 2.0, 3.0, 4.0, 1.0)
+    # Shorter than a day: its peak is the daily peak DESIGN's rule sizes from.
+    assert prepared.sizing["gpusched_inference_gpus"] == 4  # 4 GPUs of work: a node
+    assert str(prepared.sizing["gpusched_inference_gpus_rule"]).startswith("DESIGN")
+    assert prepared.sizing["demand"] == {
+        "measured": "demand.csv",
+        "peak_gpus": 4.0,
+        "step_s": 60.0,
+        "hours": 3.33,
+    }
+    given = prepare(replace(experiment, dedicated_gpus=8, static_share=0.5))
+    assert given.sizing["gpusched_inference_gpus"] == 8
+    assert given.sizing["static_inference_gpus"] == 8
+    assert [p.inference_gpus for p in given.policies if p.name == "gpusched"] == [8]
+    with pytest.raises(ValueError, match=r"dedicated pool of 17 GPUs is not within .* 0\.\.16"):
+        prepare(replace(experiment, dedicated_gpus=17))
+    with pytest.raises(ValueError, match=r"static share must be within \(0, 1\)"):
+        prepare(replace(experiment, static_share=1.0))
+
+
+def test_a_measured_demand_shorter_than_the_arrivals_is_refused(tmp_path: Path) -> None:
+    experiment = _own_cluster(tmp_path, demand_rows=60)  # 1 h, arrivals over 1.8 h
+
+    with pytest.raises(traces.TraceError, match=r"covers 1.0 h of demand, .* arrivals 1.8 h"):
+        prepare(experiment)

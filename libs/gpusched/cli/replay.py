@@ -58,6 +58,85 @@ def replay(
         ),
     ] = None,
     seed: Annotated[int, typer.Option(min=0, max=2**31, help="seed of every draw")] = 2023,
+    demand: Annotated[
+        Path | None,
+        typer.Option(
+            help="your inference demand as CSV (t_s,gpus: GPUs of work per step, "
+            "docs/replay.md) instead of the drawn curve",
+        ),
+    ] = None,
+    trough: Annotated[
+        float | None,
+        typer.Option(
+            parser=number(0.0, 1.0),
+            help="drawn demand: night over day, 0-1  [default: 0.4]",
+        ),
+    ] = None,
+    surges_per_day: Annotated[
+        float | None,
+        typer.Option(
+            parser=number(0.0, 100.0),
+            help="drawn demand: surges a day, 0-100  [default: 1]",
+        ),
+    ] = None,
+    static_share: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.01, 0.99),
+            help="the static split's inference share of the GPUs (0.01-0.99)",
+        ),
+    ] = 0.375,
+    dedicated_gpus: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=10_000_000,
+            help="gpusched's dedicated inference pool in GPUs (default: DESIGN's rule, "
+            "the P95 of the daily peak load)",
+        ),
+    ] = None,
+    checkpoint_every: Annotated[
+        float,
+        typer.Option(
+            parser=number(1.0, 1e7),
+            help="seconds between a job's periodic checkpoints",
+        ),
+    ] = 1800.0,
+    snapshot_s: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.001, 1e6),
+            help="seconds to a snapshot in host memory, asked by an eviction",
+        ),
+    ] = 15.0,
+    persist_s: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.001, 1e6),
+            help="seconds to a durable checkpoint, plus --persist-per-gpu-s per GPU",
+        ),
+    ] = 60.0,
+    persist_per_gpu_s: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.0, 1e6),
+            help="seconds more per GPU of the job to a durable checkpoint",
+        ),
+    ] = 20.0,
+    slow_share: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.0, 1.0),
+            help="share of jobs whose durable checkpoint takes --slow-persist-s",
+        ),
+    ] = 0.05,
+    slow_persist_s: Annotated[
+        float,
+        typer.Option(
+            parser=number(0.001, 1e6),
+            help="seconds to a durable checkpoint for those jobs",
+        ),
+    ] = 600.0,
     policy: Annotated[
         list[str] | None, typer.Option(help="replay only this policy (repeatable)")
     ] = None,
@@ -76,6 +155,17 @@ def replay(
         if out is not None:
             # Said now, not after minutes of replay.
             _check_writable(out)
+    if demand is not None and (trough is not None or surges_per_day is not None):
+        raise BadInput(
+            "--trough and --surges-per-day shape the drawn demand: leave them out with --demand"
+        )
+    if demand is not None:
+        from gpusched.replay.traces import read_demand_csv
+
+        try:
+            read_demand_csv(demand)  # a bad row is said now, not after the traces are read
+        except TraceError as exc:
+            raise BadInput(str(exc)) from None
     if csv is None:
         # Before the heavy imports: a missing folder is said at once.
         try:
@@ -84,8 +174,24 @@ def replay(
             raise BadInput(str(exc)) from None
 
     from gpusched.replay.experiment import Experiment
-    from gpusched.replay.workload import WorkloadError
+    from gpusched.replay.workload import CheckpointParams, WorkloadError
 
+    try:
+        checkpoints = CheckpointParams(
+            periodic_s=checkpoint_every,
+            snapshot_s=snapshot_s,
+            persist_base_s=persist_s,
+            persist_per_gpu_s=persist_per_gpu_s,
+            slow_share=slow_share,
+            slow_persist_s=slow_persist_s,
+        )
+    except WorkloadError as exc:
+        raise BadInput(str(exc)) from None
+    shape = {
+        name: value
+        for name, value in (("trough", trough), ("surges_per_day", surges_per_day))
+        if value is not None
+    }
     experiment = Experiment(
         traces_dir=root,
         pod_list=pod_list,
@@ -95,8 +201,13 @@ def replay(
         load=load,
         node_share=node_share,
         seed=seed,
+        static_share=static_share,
+        dedicated_gpus=dedicated_gpus,
+        demand=demand,
+        checkpoints=checkpoints,
         only=tuple(policy) if policy else None,
         price_book=settings.billing.price_book_path,
+        **shape,
     )
     try:
         comparison = _run(experiment, quiet=fmt is not Format.TABLE)

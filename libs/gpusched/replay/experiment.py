@@ -60,6 +60,13 @@ class Experiment:
     # None: sized by ``load``; else the share of the openb nodes kept.
     node_share: float | None = None
     seed: int = 2023
+    # The static split's inference share of the GPUs (the seeds' 3:5).
+    static_share: float = STATIC_SHARE
+    # gpusched's dedicated pool in GPUs (None: DESIGN §7's rule, from the demand).
+    dedicated_gpus: int | None = None
+    # A measured demand curve (``t_s,gpus``, docs/replay.md) instead of the drawn one,
+    # whose shape ``trough`` and ``surges_per_day`` set.
+    demand: Path | None = None
     trough: float = 0.4
     surges_per_day: float = 1.0
     drain_s: float = 86_400.0
@@ -77,6 +84,9 @@ class Experiment:
             "load": self.load,
             "node_share": self.node_share,
             "seed": self.seed,
+            "static_share": self.static_share,
+            "dedicated_gpus": self.dedicated_gpus,
+            "demand": None if self.demand is None else self.demand.name,
             "drain_h": self.drain_s / 3600,
             "checkpoints": self.checkpoints.describe(),
             "decide_every_s": self.decide_every_s,
@@ -139,33 +149,60 @@ def prepare(experiment: Experiment) -> Prepared:
             f"--inventory, or --node-share {pools.smallest_share(full):.2g} or more"
         )
     total = cluster.total_gpus
-    static_gpus = round(STATIC_SHARE * total)
+    if not 0 < experiment.static_share < 1:
+        raise ValueError(f"the static share must be within (0, 1), got {experiment.static_share}")
+    static_gpus = round(experiment.static_share * total)
     static = pools.split(cluster, static_gpus)
     static_inference = static.gpus_in(Pool.INFERENCE)
-    params_demand = DemandParams(
-        peak_gpus=0.70 * static_inference,
-        trough=experiment.trough,
-        surges_per_day=experiment.surges_per_day,
-    )
     horizon = workload.span_s + experiment.drain_s
     if horizon > MAX_HORIZON_DAYS * 86_400:
         raise ValueError(
             f"the replay would span {horizon / 86_400:.0f} days (at most {MAX_HORIZON_DAYS}): "
             "raise --compression or shorten the workload"
         )
-    demand = DemandCurve(params_demand, horizon, experiment.seed)
-    history = DemandCurve(params_demand, HISTORY_DAYS * 86_400.0, experiment.seed + 1)
+    if experiment.demand is None:
+        params_demand = DemandParams(
+            peak_gpus=0.70 * static_inference,
+            trough=experiment.trough,
+            surges_per_day=experiment.surges_per_day,
+        )
+        demand = DemandCurve(params_demand, horizon, experiment.seed)
+        history = DemandCurve(params_demand, HISTORY_DAYS * 86_400.0, experiment.seed + 1)
+        described: dict[str, object] = params_demand.describe()
+    else:
+        # A measured curve is its own history: DESIGN §7 sizes from the past it shows.
+        demand = history = measured_demand(experiment.demand, workload.span_s)
+        described = {
+            "measured": experiment.demand.name,
+            "peak_gpus": round(max(demand.values), 3),
+            "step_s": demand.step_s,
+            "hours": round(len(demand.values) * demand.step_s / 3600, 2),
+        }
     limits = default_limits(shared_below=1.0)
-    design_gpus = math.ceil(percentile(daily_peaks(history), 95))
+    # A measured curve shorter than a day: its peak stands for the daily peak.
+    peaks = daily_peaks(history) or [max(history.values)]
+    design_gpus = math.ceil(percentile(peaks, 95))
     base_gpus = math.ceil(percentile(history.values, 5) / limits.thresholds.expand_above)
+    if experiment.dedicated_gpus is not None:
+        if not 0 <= experiment.dedicated_gpus <= total:
+            raise ValueError(
+                f"the dedicated pool of {experiment.dedicated_gpus} GPUs is not within the "
+                f"cluster's 0..{total}"
+            )
+        design_gpus = experiment.dedicated_gpus
     design = pools.split(cluster, min(design_gpus, total)).gpus_in(Pool.INFERENCE)
     base = pools.split(cluster, min(base_gpus, total)).gpus_in(Pool.INFERENCE)
+    design_rule = (
+        "DESIGN §7 (P95 of the daily peak load)"
+        if experiment.dedicated_gpus is None
+        else f"given ({experiment.dedicated_gpus} GPUs asked, whole nodes)"
+    )
     gpusched = Policy(
         "gpusched",
         Kind.GPUSCHED,
         design,
         limits=limits,
-        description="dedicated pool by DESIGN §7 (P95 of the daily peak load), the "
+        description=f"dedicated pool by {design_rule}, the "
         "controller as shipped with the shrink gate lifted (shared_below 1.0)",
     )
     policies = (
@@ -193,7 +230,7 @@ def prepare(experiment: Experiment) -> Prepared:
             "static split",
             Kind.STATIC,
             static_inference,
-            description="3:5 inference:shared, nothing lent",
+            description=f"{static_inference} of {total} GPUs for inference, nothing lent",
         ),
         kubernetes(design),
         *ablations(gpusched),
@@ -214,10 +251,11 @@ def prepare(experiment: Experiment) -> Prepared:
         "node_share": round(share, 5),
         "static_inference_gpus": static_inference,
         "gpusched_inference_gpus": design,
+        "gpusched_inference_gpus_rule": design_rule,
         "base_load_inference_gpus": base,
         "training_offered_gpus_mean": round(offered, 2),
-        "demand": params_demand.describe(),
-        "demand_p95_daily_peak_history": round(percentile(daily_peaks(history), 95), 2),
+        "demand": described,
+        "demand_p95_daily_peak_history": round(percentile(peaks, 95), 2),
         "surges": len(demand.surges),
         "horizon_h": round(horizon / 3600, 2),
         "static_training_capacity_gpu_h": round((total - static_inference) * horizon / 3600, 1),
@@ -257,6 +295,20 @@ def run(prepared: Prepared, progress: Callable[[str, float], None] | None = None
         seconds[policy.name] = time.perf_counter() - started
         cpu[policy.name] = time.process_time() - cpu_started
     return Comparison(prepared, results, seconds, cpu)
+
+
+def measured_demand(path: Path, span_s: float) -> DemandCurve:
+    """A measured demand curve (``traces.read_demand_csv``) that covers the workload's
+    arrivals; past its end its last value holds (the drain after the arrivals)."""
+    values, step_s = traces.read_demand_csv(path)
+    covers = len(values) * step_s
+    if covers < span_s:
+        raise traces.TraceError(
+            f"{path.name} covers {covers / 3600:.1f} h of demand, the workload's arrivals "
+            f"{span_s / 3600:.1f} h: give a demand for the whole span (or a higher "
+            "--compression)"
+        )
+    return DemandCurve.of(values, step_s)
 
 
 def training_ceiling_gpu_h(

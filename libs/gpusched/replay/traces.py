@@ -29,6 +29,7 @@ __all__ = [
     "PHILLY",
     "TraceError",
     "TraceFiles",
+    "read_demand_csv",
     "read_inventory",
     "read_openb_nodes",
     "read_openb_pods",
@@ -45,6 +46,9 @@ DOWNLOAD_HINT = (
     "run times into <traces>/philly/), or point GPUSCHED_TRACES_DIR (--traces) at them"
 )
 USER_COLUMNS = ("name", "arrival_s", "gpus", "run_s", "class")
+DEMAND_COLUMNS = ("t_s", "gpus")
+# More GPUs of inference work than any cluster has: a unit mix-up, not a demand.
+MAX_DEMAND_GPUS = 1_000_000.0
 # Ten years: a time past it is a typo (milliseconds for seconds), not a workload.
 MAX_SECONDS = 10 * 365 * 86_400.0
 
@@ -229,6 +233,36 @@ def read_user_csv(path: Path) -> list[UserRow]:
     if not rows:
         raise TraceError(f"{path.name}: no rows")
     return rows
+
+
+def read_demand_csv(path: Path) -> tuple[list[float], float]:
+    """``t_s,gpus``: the inference demand step by step, in GPUs of work (the busy GPUs a
+    history shows, e.g. the sum of the serving GPUs' utilization), from ``t_s`` 0 at a
+    constant step; the values and the step."""
+    times: list[float] = []
+    values: list[float] = []
+    for line, row in _rows(path, DEMAND_COLUMNS):
+        where = f"{path.name} line {line}"
+        t, gpus = _number(row, "t_s", where), _number(row, "gpus", where)
+        assert t is not None and gpus is not None
+        if t > MAX_SECONDS:
+            raise TraceError(f"{where}: t_s {t:g} s is over ten years: give seconds")
+        if gpus > MAX_DEMAND_GPUS:
+            raise TraceError(f"{where}: gpus {gpus:g} is more than any cluster: give GPUs")
+        if not times and t != 0:
+            raise TraceError(f"{where}: the first t_s must be 0, got {t:g}")
+        if times and t <= times[-1]:
+            raise TraceError(f"{where}: t_s must increase, got {t:g} after {times[-1]:g}")
+        if len(times) >= 2 and not math.isclose(t - times[-1], times[1] - times[0], rel_tol=1e-6):
+            raise TraceError(
+                f"{where}: t_s {t:g} breaks the step of {times[1] - times[0]:g} s: give one "
+                "row per step, evenly spaced"
+            )
+        times.append(t)
+        values.append(gpus)
+    if len(values) < 2:
+        raise TraceError(f"{path.name}: at least two rows are needed (their t_s give the step)")
+    return values, times[1] - times[0]
 
 
 def read_inventory(path: Path) -> Inventory:
