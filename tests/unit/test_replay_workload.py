@@ -247,6 +247,17 @@ def test_a_bad_demand_row_is_named_with_what_to_give(tmp_path: Path, rows: str, 
         traces.read_demand_csv(demand)
 
 
+def test_a_demand_of_more_steps_than_a_replay_visits_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(traces, "MAX_DEMAND_STEPS", 3)
+    demand = tmp_path / "demand.csv"
+    demand.write_text("t_s,gpus\n0,1\n1,1\n2,1\n3,1\n")
+
+    with pytest.raises(traces.TraceError, match=r"line 5: more than 3 steps .* coarser step"):
+        traces.read_demand_csv(demand)
+
+
 def _own_cluster(tmp_path: Path, demand_rows: int) -> Experiment:
     jobs = tmp_path / "jobs.csv"
     jobs.write_text(

@@ -49,6 +49,9 @@ USER_COLUMNS = ("name", "arrival_s", "gpus", "run_s", "class")
 DEMAND_COLUMNS = ("t_s", "gpus")
 # More GPUs of inference work than any cluster has: a unit mix-up, not a demand.
 MAX_DEMAND_GPUS = 1_000_000.0
+# A year at a 30 s step: the replay visits every step, so a finer or longer curve is
+# refused rather than replayed for hours.
+MAX_DEMAND_STEPS = 1_051_200
 # Ten years: a time past it is a typo (milliseconds for seconds), not a workload.
 MAX_SECONDS = 10 * 365 * 86_400.0
 
@@ -253,6 +256,11 @@ def read_demand_csv(path: Path) -> tuple[list[float], float]:
             raise TraceError(f"{where}: the first t_s must be 0, got {t:g}")
         if times and t <= times[-1]:
             raise TraceError(f"{where}: t_s must increase, got {t:g} after {times[-1]:g}")
+        if len(times) >= MAX_DEMAND_STEPS:
+            raise TraceError(
+                f"{where}: more than {MAX_DEMAND_STEPS:,} steps (a year at 30 s): give a "
+                "coarser step (a minute is plenty) or a shorter span"
+            )
         if len(times) >= 2 and not math.isclose(t - times[-1], times[1] - times[0], rel_tol=1e-6):
             raise TraceError(
                 f"{where}: t_s {t:g} breaks the step of {times[1] - times[0]:g} s: give one "
