@@ -34,6 +34,7 @@ from gpusched.infra.migrations import migrate
 from gpusched.infra.outages import Outage, describe
 from gpusched.infra.outbox import OutboxRelay
 from gpusched.infra.settings import Settings
+from gpusched.infra.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -325,11 +326,7 @@ class ServiceRuntime:
             self._relay.stop()
         # Consumers finish the messages they fetched; the relay drains what is committed.
         _, pending = await asyncio.wait(self._tasks, timeout=5) if self._tasks else (set(), set())
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task, 10.0, settle_s=2.0) for task in pending))
         # Bounded: a server that is away must not keep the service from stopping.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 10)

@@ -61,6 +61,7 @@ from gpusched.contracts.subjects import Subjects
 from gpusched.contracts.validation import printable
 from gpusched.infra.errors import is_outage
 from gpusched.infra.natsauth import CLIENT_MAX_PAYLOAD, AuthError, connect_options
+from gpusched.infra.tasks import cancel_and_wait
 from gpusched.infra.tls import server_name
 from gpusched.infra.watchdog import FLUSH_TIMEOUT_S, ConnectionWatchdog
 from gpusched.sdk.checkpoints import SavedCheckpoint
@@ -308,9 +309,7 @@ class AsyncJobClient:
         stop listening, and close the connection if the client opened it."""
         self._closing = True
         if self._renewals is not None:
-            self._renewals.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewals
+            await cancel_and_wait(self._renewals)
             self._renewals = None
         events, self._events = self._events, None
         if events is not None:
@@ -319,11 +318,7 @@ class AsyncJobClient:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._sub.unsubscribe(), _REQUEST_TIMEOUT_S)
             self._sub = None
-        for task in list(self._callback_tasks):
-            task.cancel()
-        for task in list(self._callback_tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in list(self._callback_tasks)))
         if self._nc is not None and self._owns_connection:
             nc, self._nc = self._nc, None
             try:

@@ -35,6 +35,7 @@ from nats.js.errors import APIError
 
 from gpusched.infra.errors import is_outage
 from gpusched.infra.natsauth import message_size
+from gpusched.infra.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +187,7 @@ class EventBuffer:
             self._closed = True
             task, self._task = self._task, None
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await cancel_and_wait(task)
         if left:
             kinds = sorted({i.message_type for i in self._items})
             log.warning(

@@ -57,6 +57,7 @@ from gpusched.contracts.subjects import Subjects, untelemetered_note
 from gpusched.domain.inventory import GpuRef
 from gpusched.infra.errors import Rejected
 from gpusched.infra.settings import AgentSettings
+from gpusched.infra.tasks import cancel_and_wait
 from gpusched.simcluster.cluster import ClusterView, gpu_samples
 from gpusched.simcluster.demand import InferenceDemand
 from gpusched.simcluster.faults import SetNodeHealth
@@ -488,9 +489,7 @@ class ClusterAgent:
     async def _forget_watcher(self, entry: _Running) -> None:
         watcher, entry.watcher = entry.watcher, None
         if watcher is not None and watcher is not asyncio.current_task():
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watcher
+            await cancel_and_wait(watcher)
 
     async def _report_stop(
         self,

@@ -9,7 +9,6 @@ job's variables and the few the agent passes on, never the agent's settings or s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from gpusched.contracts.messages import GpuShare, StartWorkload, StopReason
 from gpusched.infra.errors import Unavailable, is_outage
 from gpusched.infra.settings import TlsSettings
 from gpusched.infra.supervisor import spawn_bound_child, terminate
+from gpusched.infra.tasks import cancel_and_wait
 from gpusched.sdk import (
     AsyncJobClient,
     CheckpointError,
@@ -190,9 +190,9 @@ class SimWorkload:
 
     async def stop(self, grace_s: float, *, checkpoint: bool = False) -> int | None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            # Not one cancel and an unbounded await: on Python 3.11 a cancel can be lost
+            # (infra.tasks), and the agent's command consumer would wait here for good.
+            await cancel_and_wait(self._task)
         step = self._step
         if (
             checkpoint
