@@ -20,6 +20,7 @@ from gpusched.contracts.envelope import Envelope
 from gpusched.contracts.messages import T
 from gpusched.infra import bus, tls
 from gpusched.infra.runtime import ServiceRuntime
+from gpusched.infra.tasks import cancel_and_wait
 from gpusched.infra.textfiles import FileRefused, read_small_text
 
 from .agent import KubernetesAgent
@@ -162,8 +163,6 @@ async def _until(stopping: asyncio.Event, work: Coroutine[Any, Any, None]) -> No
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, stop):
-            t.cancel()
-        await asyncio.gather(task, stop, return_exceptions=True)
+        await asyncio.gather(cancel_and_wait(task), cancel_and_wait(stop))
     if task.done() and not task.cancelled() and (error := task.exception()) is not None:
         raise error
