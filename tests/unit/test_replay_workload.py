@@ -4,11 +4,14 @@ jobs and services, the user's CSV, the demand curve, and the pools of each polic
 from __future__ import annotations
 
 import math
+import re
+import typing
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gpusched.cli.replay import replay
 from gpusched.domain.inventory import Pool, parse_inventory
 from gpusched.domain.ledger import PriorityClass
 from gpusched.replay import pools, traces
@@ -305,3 +308,26 @@ def test_a_measured_demand_shorter_than_the_arrivals_is_refused(tmp_path: Path) 
 
     with pytest.raises(traces.TraceError, match=r"covers 1.0 h of demand, .* arrivals 1.8 h"):
         prepare(experiment)
+
+
+def test_the_replay_commands_help_states_the_experiments_own_defaults() -> None:
+    # The options default to None so that the experiment's defaults apply; their help
+    # states those defaults in brackets, which must not drift from the dataclasses.
+    hints = typing.get_type_hints(replay, include_extras=True)
+    helps = {name: hint.__metadata__[0].help for name, hint in hints.items() if name != "return"}
+    checkpoints, experiment = CheckpointParams(), Experiment(traces_dir=Path("."))
+    expected = {
+        "trough": experiment.trough,
+        "surges_per_day": experiment.surges_per_day,
+        "static_share": experiment.static_share,
+        "checkpoint_every": checkpoints.periodic_s,
+        "snapshot_s": checkpoints.snapshot_s,
+        "persist_s": checkpoints.persist_base_s,
+        "persist_per_gpu_s": checkpoints.persist_per_gpu_s,
+        "slow_share": checkpoints.slow_share,
+        "slow_persist_s": checkpoints.slow_persist_s,
+    }
+    for name, default in expected.items():
+        found = re.search(r"\(([\d.]+)\)$", helps[name])
+        assert found is not None, (name, helps[name])
+        assert float(found.group(1)) == pytest.approx(default), name

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import typer
 
-__all__ = ["number"]
+__all__ = ["number", "number_option"]
 
 
 def number(low: float | None = None, high: float | None = None) -> Callable[[str], float]:
@@ -32,3 +33,8 @@ def number(low: float | None = None, high: float | None = None) -> Callable[[str
         return value
 
     return parse
+
+
+def number_option(low: float | None, high: float | None, help: str) -> Any:
+    """A typer option parsed by ``number(low, high)``."""
+    return typer.Option(parser=number(low, high), help=help)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpusched.cli.errors import BadInput
-from gpusched.cli.numbers import number
+from gpusched.cli.numbers import number_option
 from gpusched.cli.output import Format
 
 if TYPE_CHECKING:
@@ -42,20 +42,14 @@ def replay(
         Path | None, typer.Option(help="your own inventory (YAML) instead of openb's nodes")
     ] = None,
     compression: Annotated[
-        float,
-        typer.Option(parser=number(0.001, 1e6), help="arrivals this many times sooner (0.001-1e6)"),
+        float, number_option(0.001, 1e6, "arrivals this many times sooner (0.001-1e6)")
     ] = 5.0,
     load: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.01, 2.0), help="training demand over the static partition (0.01-2)"
-        ),
+        float, number_option(0.01, 2.0, "training demand over the static partition (0.01-2)")
     ] = 0.9,
     node_share: Annotated[
         float | None,
-        typer.Option(
-            parser=number(1e-4, 1.0), help="share of openb nodes, 0.0001-1 (default: by load)"
-        ),
+        number_option(1e-4, 1.0, "share of openb nodes, 0.0001-1 (default: by load)"),
     ] = None,
     seed: Annotated[int, typer.Option(min=0, max=2**31, help="seed of every draw")] = 2023,
     demand: Annotated[
@@ -65,27 +59,18 @@ def replay(
             "docs/replay.md) instead of the drawn curve",
         ),
     ] = None,
+    # The options below default to None: the experiment's own defaults apply
+    # (replay.experiment.Experiment, replay.workload.CheckpointParams).
     trough: Annotated[
-        float | None,
-        typer.Option(
-            parser=number(0.0, 1.0),
-            help="drawn demand: night over day, 0-1  [default: 0.4]",
-        ),
+        float | None, number_option(0.0, 1.0, "drawn demand: night over day, 0-1 (0.4)")
     ] = None,
     surges_per_day: Annotated[
-        float | None,
-        typer.Option(
-            parser=number(0.0, 100.0),
-            help="drawn demand: surges a day, 0-100  [default: 1]",
-        ),
+        float | None, number_option(0.0, 100.0, "drawn demand: surges a day, 0-100 (1)")
     ] = None,
     static_share: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.01, 0.99),
-            help="the static split's inference share of the GPUs (0.01-0.99)",
-        ),
-    ] = 0.375,
+        float | None,
+        number_option(0.01, 0.99, "the static split's inference share of the GPUs (0.375)"),
+    ] = None,
     dedicated_gpus: Annotated[
         int | None,
         typer.Option(
@@ -96,47 +81,28 @@ def replay(
         ),
     ] = None,
     checkpoint_every: Annotated[
-        float,
-        typer.Option(
-            parser=number(1.0, 1e7),
-            help="seconds between a job's periodic checkpoints",
-        ),
-    ] = 1800.0,
+        float | None, number_option(1.0, 1e7, "seconds between periodic checkpoints (1800)")
+    ] = None,
     snapshot_s: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.001, 1e6),
-            help="seconds to a snapshot in host memory, asked by an eviction",
-        ),
-    ] = 15.0,
+        float | None,
+        number_option(0.001, 1e6, "seconds to a snapshot in host memory, on eviction (15)"),
+    ] = None,
     persist_s: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.001, 1e6),
-            help="seconds to a durable checkpoint, plus --persist-per-gpu-s per GPU",
-        ),
-    ] = 60.0,
+        float | None,
+        number_option(0.001, 1e6, "seconds to a durable checkpoint, + --persist-per-gpu-s (60)"),
+    ] = None,
     persist_per_gpu_s: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.0, 1e6),
-            help="seconds more per GPU of the job to a durable checkpoint",
-        ),
-    ] = 20.0,
+        float | None,
+        number_option(0.0, 1e6, "seconds more per GPU of the job to a durable checkpoint (20)"),
+    ] = None,
     slow_share: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.0, 1.0),
-            help="share of jobs whose durable checkpoint takes --slow-persist-s",
-        ),
-    ] = 0.05,
+        float | None,
+        number_option(0.0, 1.0, "share of jobs whose durable checkpoint is slow (0.05)"),
+    ] = None,
     slow_persist_s: Annotated[
-        float,
-        typer.Option(
-            parser=number(0.001, 1e6),
-            help="seconds to a durable checkpoint for those jobs",
-        ),
-    ] = 600.0,
+        float | None,
+        number_option(0.001, 1e6, "seconds to a durable checkpoint for those jobs (600)"),
+    ] = None,
     policy: Annotated[
         list[str] | None, typer.Option(help="replay only this policy (repeatable)")
     ] = None,
@@ -176,20 +142,25 @@ def replay(
     from gpusched.replay.experiment import Experiment
     from gpusched.replay.workload import CheckpointParams, WorkloadError
 
+    timings = {
+        "periodic_s": checkpoint_every,
+        "snapshot_s": snapshot_s,
+        "persist_base_s": persist_s,
+        "persist_per_gpu_s": persist_per_gpu_s,
+        "slow_share": slow_share,
+        "slow_persist_s": slow_persist_s,
+    }
     try:
-        checkpoints = CheckpointParams(
-            periodic_s=checkpoint_every,
-            snapshot_s=snapshot_s,
-            persist_base_s=persist_s,
-            persist_per_gpu_s=persist_per_gpu_s,
-            slow_share=slow_share,
-            slow_persist_s=slow_persist_s,
-        )
+        checkpoints = CheckpointParams(**{k: v for k, v in timings.items() if v is not None})
     except WorkloadError as exc:
         raise BadInput(str(exc)) from None
-    shape = {
+    given = {
         name: value
-        for name, value in (("trough", trough), ("surges_per_day", surges_per_day))
+        for name, value in (
+            ("trough", trough),
+            ("surges_per_day", surges_per_day),
+            ("static_share", static_share),
+        )
         if value is not None
     }
     experiment = Experiment(
@@ -201,13 +172,12 @@ def replay(
         load=load,
         node_share=node_share,
         seed=seed,
-        static_share=static_share,
         dedicated_gpus=dedicated_gpus,
         demand=demand,
         checkpoints=checkpoints,
         only=tuple(policy) if policy else None,
         price_book=settings.billing.price_book_path,
-        **shape,
+        **given,
     )
     try:
         comparison = _run(experiment, quiet=fmt is not Format.TABLE)
