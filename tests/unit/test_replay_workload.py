@@ -226,6 +226,9 @@ def test_a_measured_demand_is_read_step_by_step(tmp_path: Path) -> None:
     demand.write_text("t_s,gpus\n0,1.5\n300,2\n600,0\n")
 
     assert traces.read_demand_csv(demand) == ([1.5, 2.0, 0.0], 300.0)
+    # As a spreadsheet exports it: a byte-order mark and CRLF line ends.
+    demand.write_bytes(b"\xef\xbb\xbft_s,gpus\r\n0,1.5\r\n300,2\r\n")
+    assert traces.read_demand_csv(demand) == ([1.5, 2.0], 300.0)
 
 
 @pytest.mark.parametrize(

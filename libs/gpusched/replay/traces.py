@@ -82,7 +82,9 @@ class TraceFiles:
 def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
     try:
         check_readable(path)
-        handle = path.open(newline="", encoding="utf-8")
+        # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark, which
+        # would otherwise be read as part of the first column's name.
+        handle = path.open(newline="", encoding="utf-8-sig")
     except FileRefused as exc:
         raise TraceError(str(exc)) from None
     except OSError as exc:
